@@ -1,0 +1,54 @@
+# Modelyard: every target sets up what it needs, idempotently (a second run starts in seconds).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: serve test bench lint format models prometheus venv clean
+
+venv: $(STAMP)
+
+# Reinstall only when the dependency pins change.
+$(STAMP): pyproject.toml requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c requirements.lock -e '.[dev]'
+	@touch $(STAMP)
+
+models: $(MODEL)
+
+$(MODEL): | $(STAMP)
+	$(PY) scripts/fetch_models.py
+
+# Tests scrape the servers with a real Prometheus and check rules with promtool (Debian package).
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+		echo "installing prometheus (Debian package) ..."; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+serve: $(STAMP) $(MODEL)
+	$(VENV)/bin/modelyard serve -c models.yaml --host $(HOST) --port $(PORT)
+
+test: $(STAMP) $(MODEL) prometheus
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP) $(MODEL)
+	$(PY) scripts/bench_engine.py --out bench-results/engine.json
+	$(PY) scripts/bench_serving.py --start-engine $(MODEL) --out bench-results/serving.json
+	$(PY) scripts/bench_gateway.py --out bench-results/gateway.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .cache models bench-results

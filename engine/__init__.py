@@ -1,0 +1,1 @@
+"""Modelyard engine: one process serving one model with a paged KV cache."""

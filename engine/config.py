@@ -1,0 +1,50 @@
+"""Engine configuration: one dataclass shared by the CLI, the offline API and the core."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
+               "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a byte size such as ``512MiB``, ``2GB`` or ``1048576``."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {value!r}: expected e.g. 512MiB, 2GiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes one engine instance."""
+
+    model: str
+    gguf_file: str | None = None
+    served_model_names: list[str] = field(default_factory=list)
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16/fp16 on CUDA, fp32 on CPU)
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    block_size: int = 16
+    kv_cache_memory: int = 512 * 2**20  # bytes, CPU budget
+    gpu_memory_fraction: float = 0.9  # CUDA: share of the card this process may use
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None  # CPU torch threads; None = physical cores available
+    max_queue: int = 1024  # waiting requests beyond which the server sheds load
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            self.served_model_names = [self.model]
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError("gpu_memory_fraction must be in (0, 1]")

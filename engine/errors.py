@@ -1,0 +1,35 @@
+"""Typed errors that the HTTP layer maps onto OpenAI-style error responses."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class for errors the engine reports to callers."""
+
+    status: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(EngineError):
+    """A request parameter is invalid (HTTP 400)."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ModelLoadError(EngineError):
+    """The model cannot be loaded: missing path, unsupported architecture, missing package."""
+
+    error_type = "model_load_error"
+
+
+class CacheTooSmallError(EngineError):
+    """The KV cache budget cannot hold even one max_model_len sequence."""
+
+    error_type = "cache_too_small"

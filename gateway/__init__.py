@@ -1,0 +1,1 @@
+"""Modelyard gateway: routing, health, limits and the engine pool."""

@@ -1,0 +1,123 @@
+"""Tiny random causal LMs with a real byte-level BPE tokenizer, built locally for fast tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores the key value cache in fixed size blocks.",
+    "Continuous batching schedules every iteration and admits new requests at once.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Modelyard serves many named language models from one machine.",
+    "你好，世界。今天天气很好。我们一起学习语言模型。",
+    "def main():\n    print('hello')\n    return 0\n",
+    "1234567890 + - * / = < > ( ) [ ] { } : ; , . ! ?",
+]
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on a small fixed corpus (deterministic, no download)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama with grouped-query attention (4 query heads, 2 KV heads)."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    _scale_up_logits(model)
+    return _save(model, tokenizer, path)
+
+
+def build_tiny_sliding(path: Path, seed: int = 0) -> Path:
+    """A 4-layer Gemma2: alternating sliding-window (window 8) and full layers, GQA, soft-capping,
+    head_dim 24 (not a power of two)."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        sliding_window=8,
+        max_position_embeddings=1024,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=24,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    model = Gemma2ForCausalLM(config)
+    _scale_up_logits(model)
+    return _save(model, tokenizer, path)
+
+
+def _scale_up_logits(model: PreTrainedModel) -> None:
+    """Random init gives near-uniform logits, where fp32 summation order flips greedy ties.
+    Sharper output weights make the argmax well separated, so token-for-token comparisons against
+    transformers test the engine's arithmetic rather than rounding noise."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
