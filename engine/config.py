@@ -5,8 +5,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
-               "MIB": 2**20, "GIB": 2**30}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 
 def parse_size(value: str | int) -> int:
@@ -26,7 +34,8 @@ class EngineConfig:
     model: str
     gguf_file: str | None = None
     served_model_names: list[str] = field(default_factory=list)
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16/fp16 on CUDA, fp32 on CPU)
+    # auto | float32 | float16 | bfloat16 (auto: bf16/fp16 on CUDA, fp32 on CPU)
+    dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int = 2048
     max_num_seqs: int = 32

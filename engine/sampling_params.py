@@ -52,12 +52,21 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
-            (len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop), "stop",
-             "must be up to 16 non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be non-negative token ids"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
-             f"must be between 0 and {MAX_TOP_LOGPROBS}"),
+            (
+                len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
+                "stop",
+                "must be up to 16 non-empty strings",
+            ),
+            (
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "must be non-negative token ids",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                "logprobs",
+                f"must be between 0 and {MAX_TOP_LOGPROBS}",
+            ),
         ]
         for ok, param, problem in checks:
             if not ok:

