@@ -1,0 +1,87 @@
+"""Admin endpoints (admin key required): backend states, config reload, drain."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from gateway.config import ConfigError
+from gateway.errors import GatewayHTTPError
+from gateway.openai_api import read_body
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+
+ADMIN_MAX_BODY = 64 * 1024
+
+
+class AdminEndpoints:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    def register(self, router: web.UrlDispatcher) -> None:
+        router.add_get("/admin/backends", self.backends)
+        router.add_post("/admin/reload", self.reload)
+        router.add_post("/admin/drain", self.drain)
+
+    async def backends(self, request: web.Request) -> web.Response:
+        models = []
+        for route in self.gw.router.routes.values():
+            config = route.config
+            models.append(
+                {
+                    "name": config.name,
+                    "aliases": list(config.aliases),
+                    "local": config.local,
+                    "in_flight": route.inflight,
+                    "backends": [b.state() for b in route.backends],
+                }
+            )
+        return web.json_response({"draining": self.gw.draining, "models": models})
+
+    async def reload(self, request: web.Request) -> web.Response:
+        try:
+            config = await self.gw.reload()
+        except ConfigError as exc:
+            raise GatewayHTTPError(
+                400, "Config rejected, fleet unchanged:\n" + str(exc), code="invalid_config"
+            ) from exc
+        return web.json_response({"status": "reloaded", "models": [m.name for m in config.models]})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """``{"backend": "host:port" | URL, "model": optional, "drain": true|false}`` takes a
+        backend out of (or back into) rotation; without ``backend`` it drains the whole gateway:
+        /ready answers 503 so a load balancer moves traffic away, while requests still work."""
+        try:
+            body = json.loads(await read_body(request, ADMIN_MAX_BODY) or b"{}")
+        except ValueError as exc:
+            raise GatewayHTTPError(
+                400, f"Request body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc
+        if not isinstance(body, dict):
+            raise GatewayHTTPError(400, "Request body must be a JSON object.", code="invalid_json")
+        drain = body.get("drain", True)
+        if not isinstance(drain, bool):
+            raise GatewayHTTPError(400, "'drain' must be a boolean.", param="drain")
+        target = body.get("backend")
+        if target is None:
+            self.gw.draining = drain
+            return web.json_response({"draining": drain})
+        model = body.get("model")
+        matched = [
+            b
+            for b in self.gw.router.backends()
+            if target in (b.url, b.label) and (model is None or b.model == model)
+        ]
+        if not matched:
+            raise GatewayHTTPError(
+                404, f"No backend {target!r}.", param="backend", code="backend_not_found"
+            )
+        for backend in matched:
+            backend.draining = drain
+            backend.refresh()
+            self.gw.metrics.backend_state(backend)
+        return web.json_response({"backends": [b.state() for b in matched]})

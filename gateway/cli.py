@@ -1,0 +1,119 @@
+"""``modelyard serve -c models.yaml`` and ``modelyard check models.yaml``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from gateway.app import Gateway, create_app
+from gateway.config import ConfigError, load_config, with_listen
+
+log = logging.getLogger("modelyard.gateway")
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").disabled = True
+
+
+def check(path: str) -> int:
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        print(f"{path}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        return 1
+    gw = config.gateway
+    print(
+        f"{path}: OK: listen {gw.host}:{gw.port}, {len(config.models)} model(s), "
+        f"{len(gw.auth.keys)} API key(s){' (open mode)' if gw.auth.open_mode else ''}"
+    )
+    for model in config.models:
+        where = (
+            f"local {model.source} x{model.replicas}" if model.local else ", ".join(model.upstreams)
+        )
+        aliases = f" (aliases: {', '.join(model.aliases)})" if model.aliases else ""
+        print(f"  {model.name}{aliases}: {where}")
+    return 0
+
+
+async def _serve(path: str, host: str | None, port: int | None) -> None:
+    config = with_listen(load_config(path), host, port)
+    gateway = Gateway(config, path)
+    app = create_app(gateway)
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the
+    # upstream request at once instead of letting the engine generate for nobody.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=30)
+    await runner.setup()
+    site = web.TCPSite(
+        runner, config.gateway.host, config.gateway.port, backlog=2048, reuse_address=True
+    )
+    await site.start()
+    log.info(
+        "modelyard gateway listening on http://%s:%d with %d model(s)",
+        config.gateway.host,
+        config.gateway.port,
+        len(config.models),
+    )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(
+        signal.SIGHUP, lambda: asyncio.ensure_future(gateway.reload_logged("SIGHUP"))
+    )
+    try:
+        await stop.wait()
+        log.info("shutting down: finishing in-flight requests (up to 30 s)")
+        gateway.draining = True
+    finally:
+        await runner.cleanup()
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="modelyard", description="Modelyard gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("-c", "--config", default="models.yaml", help="path to models.yaml")
+    serve.add_argument("--host", help="override gateway.listen's host")
+    serve.add_argument("--port", type=int, help="override gateway.listen's port")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    checker = sub.add_parser("check", help="validate a models.yaml and list every problem")
+    checker.add_argument("config", help="path to models.yaml")
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        return check(args.config)
+    _setup_logging(args.log_level)
+    try:
+        _run(_serve(args.config, args.host, args.port))
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

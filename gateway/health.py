@@ -1,0 +1,186 @@
+"""Backend health: active readiness checks and passive outlier ejection.
+
+- Active: each backend's readiness path (``/ready`` for our engines, ``health_path`` per model) is
+  fetched every ``interval_s``; ``unhealthy_after`` failures in a row take it out,
+  ``healthy_after`` passes in a row bring it back. The first check runs at once and decides alone.
+- Passive: ``consecutive_failures`` connect errors, 5xx answers or timeouts in a row eject a backend
+  for ``base_s`` × its ejection count (capped at ``max_s``). At most ``max_percent`` of a model's
+  backends (but always at least one) are ejected at once, so a burst of bad luck cannot take a
+  whole model down. After its ejection time, the next passing check re-admits the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+
+import aiohttp
+
+from gateway.config import EjectionSettings, HealthSettings
+from gateway.metrics import GatewayMetrics
+from gateway.router import Backend, ModelRoute, Router
+
+log = logging.getLogger("modelyard.health")
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        router: Router,
+        metrics: GatewayMetrics,
+        session: aiohttp.ClientSession,
+        health: HealthSettings,
+        ejection: EjectionSettings,
+    ) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.session = session
+        self.health = health
+        self.ejection = ejection
+        self._tasks: dict[Backend, asyncio.Task[None]] = {}
+        self._wakeups: dict[Backend, asyncio.Event] = {}  # lets an ejection end the wait early
+
+    def configure(self, health: HealthSettings, ejection: EjectionSettings) -> None:
+        self.health = health
+        self.ejection = ejection
+
+    # ---- passive outlier detection (called by the proxy on every attempt's outcome) ----
+
+    def record_success(self, backend: Backend) -> None:
+        backend.consecutive_failures = 0
+
+    def record_failure(self, route: ModelRoute, backend: Backend) -> None:
+        backend.consecutive_failures += 1
+        if backend.ejected or backend.consecutive_failures < self.ejection.consecutive_failures:
+            return
+        ejected = sum(1 for b in route.backends if b.ejected)
+        allowed = max(1, math.floor(len(route.backends) * self.ejection.max_percent / 100))
+        if ejected >= allowed:
+            return
+        backend.ejection_count += 1
+        duration = min(self.ejection.base_s * backend.ejection_count, self.ejection.max_s)
+        backend.ejected = True
+        backend.ejected_until = time.monotonic() + duration
+        backend.consecutive_failures = 0
+        backend.refresh()
+        self._evict(backend)
+        self.metrics.ejections.labels(backend.model, backend.label).inc()
+        self.metrics.backend_state(backend)
+        log.warning(
+            "ejected backend %s of model %s for %.1fs (ejection #%d)",
+            backend.label,
+            backend.model,
+            duration,
+            backend.ejection_count,
+        )
+        # Check it again as soon as the ejection time is over rather than at the next interval.
+        self._wake(backend, duration)
+
+    @staticmethod
+    def _evict(backend: Backend) -> None:
+        """Requests still waiting on an ejected backend move on: their handlers are cancelled
+        and the proxy turns that into a retry on another replica. Not the caller's own task, which
+        is already failing its attempt."""
+        current = asyncio.current_task()
+        for ex in list(backend.waiting):
+            if ex.task is not None and ex.task is not current and ex.evicted_from is None:
+                ex.evicted_from = backend
+                ex.task.cancel()
+
+    # ---- active checks ----
+
+    def sync(self, removed: list[Backend] = ()) -> None:  # type: ignore[assignment]
+        """Starts checks for new backends and stops those of removed ones."""
+        for backend in removed:
+            task = self._tasks.pop(backend, None)
+            self._wakeups.pop(backend, None)
+            if task:
+                task.cancel()
+            self.metrics.forget_backend(backend)
+        for backend in self.router.backends():
+            if backend not in self._tasks:
+                self.metrics.backend_state(backend)
+                self._wakeups[backend] = asyncio.Event()
+                self._tasks[backend] = asyncio.create_task(self._check_loop(backend))
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _wake(self, backend: Backend, after_s: float) -> None:
+        event = self._wakeups.get(backend)
+        if event is not None:
+            asyncio.get_running_loop().call_later(after_s + 0.01, event.set)
+
+    async def _check_loop(self, backend: Backend) -> None:
+        first = True
+        while not backend.removed:
+            passed = await self._probe(backend)
+            self._apply(backend, passed, first)
+            first = False
+            await self._sleep(backend, self.health.interval_s * random.uniform(0.9, 1.1))
+
+    async def _sleep(self, backend: Backend, seconds: float) -> None:
+        event = self._wakeups.get(backend)
+        if event is None:
+            await asyncio.sleep(seconds)
+            return
+        event.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await event.wait()
+
+    async def _probe(self, backend: Backend) -> bool:
+        route = self.router.routes.get(backend.model)
+        path = route.config.health_path if route else "/ready"
+        headers = {}
+        if route and route.config.api_key:
+            headers["Authorization"] = f"Bearer {route.config.api_key}"
+        try:
+            async with asyncio.timeout(self.health.timeout_s):
+                async with self.session.get(backend.url + path, headers=headers) as resp:
+                    await resp.read()
+                    return 200 <= resp.status < 300
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    def _apply(self, backend: Backend, passed: bool, first: bool) -> None:
+        was_available = backend.available
+        if passed:
+            backend.check_ok_streak += 1
+            backend.check_fail_streak = 0
+            if first or backend.check_ok_streak >= self.health.healthy_after:
+                backend.healthy = True
+            if backend.ejected and time.monotonic() >= backend.ejected_until:
+                backend.ejected = False
+                backend.consecutive_failures = 0
+                backend.last_readmit = time.monotonic()
+            elif (
+                backend.ejection_count
+                and not backend.ejected
+                and time.monotonic() - backend.last_readmit >= self.ejection.max_s
+            ):
+                backend.ejection_count = 0  # well-behaved for a long time: forgive old ejections
+        else:
+            backend.check_fail_streak += 1
+            backend.check_ok_streak = 0
+            if first or backend.check_fail_streak >= self.health.unhealthy_after:
+                backend.healthy = False
+        backend.refresh()
+        if backend.available != was_available:
+            log.warning(
+                "backend %s of model %s is now %s",
+                backend.label,
+                backend.model,
+                "available" if backend.available else "unavailable",
+            )
+        self.metrics.backend_state(backend)

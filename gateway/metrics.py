@@ -1,0 +1,154 @@
+"""Prometheus metrics of the gateway, prefix ``modelyard_``.
+
+Labels are bounded: ``model`` is a configured model name (``_unknown`` for names that resolve to
+nothing), ``backend`` a configured backend's host:port, ``code`` an HTTP status, ``limit``/``kind``/
+``reason`` small fixed sets. Never a request id or an API key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gateway.router import Backend
+
+UNKNOWN_MODEL = "_unknown"
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+    600,
+)
+
+
+class GatewayMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "modelyard_requests",
+            "Requests answered, by model and HTTP status",
+            ["model", "code"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "modelyard_request_duration_seconds",
+            "Time from request to the last byte sent",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "modelyard_time_to_first_token_seconds",
+            "Streams: time from request to first chunk",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_latency = Histogram(
+            "modelyard_upstream_latency_seconds",
+            "Time to the upstream's response headers, by backend",
+            ["model", "backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "modelyard_requests_in_flight", "Requests being proxied", ["model"], registry=r
+        )
+        self.backend_up = Gauge(
+            "modelyard_backend_up",
+            "1 when the backend takes traffic (healthy, not ejected/drained)",
+            ["model", "backend"],
+            registry=r,
+        )
+        self.backend_ejected = Gauge(
+            "modelyard_backend_ejected",
+            "1 while passive outlier detection ejects the backend",
+            ["model", "backend"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "modelyard_ejections", "Passive outlier ejections", ["model", "backend"], registry=r
+        )
+        self.retries = Counter(
+            "modelyard_retries",
+            "Attempts retried on another replica",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "modelyard_rate_limited",
+            "Requests refused with 429, by the limit that refused them",
+            ["model", "limit"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "modelyard_prompt_tokens", "Prompt tokens (upstream usage)", ["model"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "modelyard_completion_tokens",
+            "Completion tokens (upstream usage)",
+            ["model"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "modelyard_timeouts", "Upstream timeouts by kind", ["model", "kind"], registry=r
+        )
+        self._children: dict[tuple, Any] = {}
+        self.config_reloads = Counter(
+            "modelyard_config_reloads", "Config reloads by result", ["result"], registry=r
+        )
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: the hot path skips prometheus_client's lock."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def backend_state(self, backend: Backend) -> None:
+        labels = (backend.model, backend.label)
+        self.backend_up.labels(*labels).set(1 if backend.available else 0)
+        self.backend_ejected.labels(*labels).set(1 if backend.ejected else 0)
+
+    def forget_backend(self, backend: Backend) -> None:
+        labels = (backend.model, backend.label)
+        for key in [k for k in self._children if k[1] == labels]:
+            del self._children[key]
+        for metric in (
+            self.backend_up,
+            self.backend_ejected,
+            self.ejections,
+            self.upstream_latency,
+        ):
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,267 @@
+"""The OpenAI-compatible endpoints: parse and check the request, route, rate-limit, proxy."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from gateway.auth import may_use
+from gateway.errors import GatewayHTTPError
+from gateway.proxy import Exchange
+from gateway.ratelimit import RateLimited
+from gateway.request_keys import API_KEY, EXCHANGE, MODEL, REQUEST_ID
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+    from gateway.router import ModelRoute
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+async def read_body(request: web.Request, max_bytes: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``max_bytes``: from
+    Content-Length before reading, or while reading a chunked body."""
+    if request.content_length is not None:
+        if request.content_length > max_bytes:
+            raise _too_large(max_bytes)
+        return await request.read()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> GatewayHTTPError:
+    return GatewayHTTPError(
+        413, f"Request body is larger than {max_bytes} bytes.", code="body_too_large"
+    )
+
+
+def parse_request(body: bytes, chat: bool) -> dict[str, Any]:
+    """Checks the fields the gateway relies on; the upstream validates the rest."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GatewayHTTPError(
+            400, f"Request body is not valid JSON: {exc}", code="invalid_json"
+        ) from exc
+    if not isinstance(payload, dict):
+        raise GatewayHTTPError(400, "Request body must be a JSON object.", code="invalid_json")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayHTTPError(
+            400,
+            "'model' is required and must be a non-empty string.",
+            param="model",
+            code="invalid_value",
+        )
+    if chat:
+        messages = payload.get("messages")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) for m in messages)
+        ):
+            raise GatewayHTTPError(
+                400,
+                "'messages' must be a non-empty list of objects.",
+                param="messages",
+                code="invalid_value",
+            )
+    elif not isinstance(payload.get("prompt"), (str, list)):
+        raise GatewayHTTPError(
+            400,
+            "'prompt' is required and must be a string or a list.",
+            param="prompt",
+            code="invalid_value",
+        )
+    stream = payload.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise GatewayHTTPError(
+            400, "'stream' must be a boolean.", param="stream", code="invalid_value"
+        )
+    options = payload.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise GatewayHTTPError(
+            400, "'stream_options' must be an object.", param="stream_options", code="invalid_value"
+        )
+    return payload
+
+
+def prompt_text(payload: dict[str, Any], limit: int) -> str:
+    """The prompt's text (chat message contents in order), up to ``limit`` characters."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return prompt[:limit]
+    if isinstance(prompt, list):
+        return "".join(p for p in prompt if isinstance(p, str))[:limit]
+    parts: list[str] = []
+    size = 0
+    for message in payload.get("messages") or ():
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(
+                p.get("text", "")
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+        if isinstance(content, str):
+            parts.append(content)
+            size += len(content)
+            if size >= limit:
+                break
+    return "".join(parts)[:limit]
+
+
+def estimate_prompt_tokens(payload: dict[str, Any]) -> int:
+    """About four characters per token, plus a few per chat message; token-id prompts count
+    exactly. Corrected from the upstream's usage once the answer is in."""
+    tokens = 0
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return sum(len(p) for p in prompt)
+    tokens += 4 * len(payload.get("messages") or ())
+    return tokens + len(prompt_text(payload, 1 << 30)) // 4 + 1
+
+
+def affinity_key(route: ModelRoute, payload: dict[str, Any]) -> bytes | None:
+    affinity = route.config.affinity
+    if affinity.by == "user":
+        user = payload.get("user")
+        return user.encode() if isinstance(user, str) and user else None
+    if affinity.by == "prefix":
+        text = prompt_text(payload, affinity.prefix_chars)
+        return text.encode() if text else None
+    return None
+
+
+def upstream_body(
+    body: bytes, payload: dict[str, Any], route: ModelRoute, stream: bool
+) -> tuple[bytes, bool]:
+    """The bytes to send upstream, re-encoded only when a field must change; and whether the
+    usage event the gateway asked for must be stripped from the stream."""
+    changed = False
+    strip_usage = False
+    if payload["model"] != route.config.wire_name:
+        payload["model"] = route.config.wire_name
+        changed = True
+    if stream:
+        options = payload.get("stream_options") or {}
+        if not options.get("include_usage"):
+            payload["stream_options"] = {**options, "include_usage": True}
+            strip_usage = changed = True
+    if changed:
+        body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+    return body, strip_usage
+
+
+class OpenAIEndpoints:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, CHAT_PATH, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, COMPLETIONS_PATH, chat=False)
+
+    async def _completion(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        gw = self.gw
+        started = time.monotonic()
+        body = await read_body(request, gw.config.gateway.max_body_bytes)
+        payload = parse_request(body, chat)
+        key = request[API_KEY]
+        route = gw.router.resolve(payload["model"])
+        if route is None or not may_use(key, route.name):
+            raise GatewayHTTPError(
+                404,
+                f"The model '{payload['model']}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        request[MODEL] = route.name
+        key_name = key.name if key else None
+        limits = route.config.limits
+        if limits.max_concurrency is not None and route.inflight >= limits.max_concurrency:
+            gw.metrics.rate_limited.labels(route.name, "concurrency").inc()
+            raise GatewayHTTPError(
+                429,
+                f"Too many concurrent requests for model '{route.name}'.",
+                code="rate_limit_exceeded",
+                headers={
+                    "Retry-After": "1",
+                    "x-ratelimit-limit-concurrency": str(limits.max_concurrency),
+                    "x-ratelimit-remaining-concurrency": "0",
+                },
+            )
+        estimate = (
+            estimate_prompt_tokens(payload)
+            if gw.limiter.needs_estimate(key_name, route.name)
+            else 0
+        )
+        try:
+            admission = gw.limiter.admit(key_name, route.name, estimate)
+        except RateLimited as limited:
+            gw.metrics.rate_limited.labels(route.name, limited.limit).inc()
+            raise GatewayHTTPError(
+                429,
+                f"Rate limit reached ({limited.limit.replace('_', ' ')}); retry in "
+                f"{limited.retry_after_s:.2f}s.",
+                code="rate_limit_exceeded",
+                headers=limited.headers,
+            ) from None
+        stream = payload.get("stream") is True
+        forward_body, strip_usage = upstream_body(body, payload, route, stream)
+        ex = Exchange(
+            request_id=request[REQUEST_ID],
+            path=path,
+            body=forward_body,
+            stream=stream,
+            strip_usage=strip_usage,
+            route=route,
+            admission=admission,
+            affinity_key=affinity_key(route, payload),
+            started=started,
+        )
+        request[EXCHANGE] = ex
+        route.inflight += 1
+        in_flight = gw.metrics.child(gw.metrics.in_flight, route.name)
+        in_flight.inc()
+        try:
+            return await gw.proxy.forward(request, ex)
+        finally:
+            route.inflight -= 1
+            in_flight.dec()
+            if ex.prompt_tokens is not None and ex.completion_tokens is not None:
+                metrics = gw.metrics
+                metrics.child(metrics.prompt_tokens, route.name).inc(ex.prompt_tokens)
+                metrics.child(metrics.completion_tokens, route.name).inc(ex.completion_tokens)
+                admission.settle(ex.prompt_tokens + ex.completion_tokens)
+
+    async def models(self, request: web.Request) -> web.Response:
+        key = request[API_KEY]
+        data = []
+        for route in self.gw.router.routes.values():
+            if not may_use(key, route.name):
+                continue
+            for served in (route.name, *route.config.aliases):
+                data.append(
+                    {
+                        "id": served,
+                        "object": "model",
+                        "created": self.gw.started_at,
+                        "owned_by": "modelyard",
+                        "root": route.name,
+                    }
+                )
+        return web.json_response({"object": "list", "data": data})

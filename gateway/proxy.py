@@ -1,0 +1,615 @@
+"""Forwarding one request to a backend: timeouts, retries on another replica, SSE pass-through.
+
+Retries (tenacity) happen only while nothing has been sent to the client: a unary answer is read in
+full before it is sent, and a stream's response headers go out only once its first upstream chunk
+has arrived. Retried: connect failures and timeouts, the upstream closing the connection before
+answering, 502/503 answers, and the backend being ejected while the request waited on it; on a
+different replica, with jittered exponential backoff, within a retry budget (about
+``budget_percent`` of requests plus a small reserve per second). The first attempt runs outside
+tenacity: its machinery costs about 40 µs per call, a tenth of the gateway's whole per-request CPU.
+
+Timeouts: ``connect_s`` (TCP connect), ``first_byte_s`` (to the response headers; for streams to the
+first chunk), ``idle_s`` (between chunks while reading), ``total_s`` (whole request). Each answers
+504 before a stream started, or ends a started stream with an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+from tenacity.wait import wait_random_exponential
+
+from gateway.config import RetrySettings
+from gateway.errors import error_body, sse_error_event
+from gateway.health import HealthMonitor
+from gateway.metrics import GatewayMetrics
+from gateway.ratelimit import Admission
+from gateway.router import Backend, ModelRoute
+
+_JSON = "application/json"
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+_RETRY_STATUSES = (502, 503)
+_DECODER = json.JSONDecoder()
+
+
+class RetryBudget:
+    """Retries earn ``percent``% of a token per request, plus ``minimum`` tokens per second; a retry
+    spends one. Bounded, so a long healthy spell cannot bank a retry storm."""
+
+    def __init__(self, settings: RetrySettings) -> None:
+        self.ratio = settings.budget_percent / 100
+        self.per_second = float(settings.budget_min)
+        self.cap = 2 * settings.budget_min + 100 * self.ratio
+        self.balance = self.cap
+        self.updated = time.monotonic()
+
+    def deposit(self) -> None:
+        self.balance = min(self.cap, self.balance + self.ratio)
+
+    def try_spend(self) -> bool:
+        now = time.monotonic()
+        self.balance = min(self.cap, self.balance + (now - self.updated) * self.per_second)
+        self.updated = now
+        if self.balance >= 1:
+            self.balance -= 1
+            return True
+        return False
+
+
+class UpstreamFailure(Exception):
+    """How an attempt failed, already in the shape the client would get."""
+
+    def __init__(
+        self, status: int, body: bytes, reason: str, content_type: str = _JSON, message: str = ""
+    ) -> None:
+        super().__init__(message or reason)
+        self.status = status
+        self.body = body
+        self.reason = reason  # bounded: connect, connect_timeout, disconnect, status_502, ...
+        self.content_type = content_type
+
+
+class Retryable(UpstreamFailure):
+    """A failure before anything reached the client, worth a try on another replica."""
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """One client request on its way through the proxy, and what the access log reports."""
+
+    request_id: str
+    path: str
+    body: bytes
+    stream: bool
+    strip_usage: bool
+    route: ModelRoute
+    admission: Admission
+    affinity_key: bytes | None = None
+    started: float = field(default_factory=time.monotonic)
+    backend: str = "-"
+    status: int = 0
+    retries: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    last_failure: UpstreamFailure | None = None
+    task: asyncio.Task | None = None  # the handler's task, cancelled if its backend is ejected
+    evicted_from: Backend | None = None
+
+    def usage(self, usage: object) -> None:
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                self.prompt_tokens, self.completion_tokens = prompt, completion
+
+
+class Proxy:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        health: HealthMonitor,
+        metrics: GatewayMetrics,
+        retries: RetrySettings,
+    ) -> None:
+        self.session = session
+        self.health = health
+        self.metrics = metrics
+        self.configure(retries)
+
+    def configure(self, retries: RetrySettings) -> None:
+        self.retries = retries
+        self.budget = RetryBudget(retries)
+        backoff_s = retries.backoff_ms / 1000
+        self._wait = wait_random_exponential(multiplier=backoff_s, max=max(backoff_s * 8, 0.001))
+        self._client_timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    async def forward(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        self.budget.deposit()
+        ex.task = asyncio.current_task()
+        try:
+            if ex.stream:
+                resp, first, backend = await self._with_retries(ex, self._open_stream)
+                return await self._pump(request, ex, resp, first, backend)
+            status, body, content_type = await self._with_retries(ex, self._unary)
+        except UpstreamFailure as failure:
+            ex.status, ex.error = failure.status, failure.reason
+            return web.Response(
+                status=failure.status,
+                body=failure.body,
+                content_type=failure.content_type,
+                headers=self._headers(ex),
+            )
+        ex.status = status
+        if status == 200:
+            body = self._rewrite_model(ex, body)
+        return web.Response(
+            status=status, body=body, content_type=content_type, headers=self._headers(ex)
+        )
+
+    def _headers(self, ex: Exchange) -> dict[str, str]:
+        return {"x-request-id": ex.request_id, **ex.admission.headers}
+
+    # ---- retries ----
+
+    async def _with_retries(self, ex: Exchange, attempt_fn):
+        tried: list[Backend] = []
+        try:  # the common case, without the retry machinery's cost
+            return await self._attempt(ex, attempt_fn, tried)
+        except Retryable as failure:
+            if self.retries.attempts < 2:
+                raise
+            replay: Retryable | None = failure
+
+        def stop(state: RetryCallState) -> bool:
+            return state.attempt_number >= self.retries.attempts or not self.budget.try_spend()
+
+        def before_sleep(state: RetryCallState) -> None:
+            ex.retries += 1
+            failure = state.outcome.exception() if state.outcome else None
+            reason = failure.reason if isinstance(failure, UpstreamFailure) else "unknown"
+            self.metrics.retries.labels(ex.route.name, reason).inc()
+
+        retrying = AsyncRetrying(
+            stop=stop,
+            wait=self._wait,
+            reraise=True,
+            retry=retry_if_exception_type(Retryable),
+            before_sleep=before_sleep,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if replay is not None:  # tenacity decides on the first attempt's failure too
+                    failure, replay = replay, None
+                    raise failure
+                return await self._attempt(ex, attempt_fn, tried)
+        raise AssertionError("unreachable: tenacity either returns or reraises")
+
+    async def _attempt(self, ex: Exchange, attempt_fn, tried: list[Backend]):
+        backend = ex.route.pick(tried, ex.affinity_key)
+        if backend is None:
+            if ex.last_failure is not None:  # every replica tried: answer with the last failure
+                failure = ex.last_failure
+                raise UpstreamFailure(
+                    failure.status, failure.body, failure.reason, failure.content_type
+                )
+            raise UpstreamFailure(
+                503,
+                error_body(
+                    503, f"No healthy backend for model '{ex.route.name}'.", "no_healthy_backend"
+                ),
+                "no_backend",
+            )
+        tried.append(backend)
+        ex.backend = backend.label
+        backend.waiting.add(ex)
+        try:
+            return await attempt_fn(ex, backend)
+        except Retryable as failure:
+            ex.last_failure = failure
+            raise
+        except asyncio.CancelledError:
+            if ex.evicted_from is not backend:
+                raise  # the client went away, or shutdown
+            # Our backend was ejected while we waited for it (see HealthMonitor.evict): the
+            # client has seen nothing yet, so this is a failure like any other, worth a retry.
+            ex.evicted_from = None
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            failure = Retryable(
+                502,
+                error_body(502, "The upstream was ejected while answering.", "upstream_ejected"),
+                "ejected",
+            )
+            ex.last_failure = failure
+            raise failure from None
+        finally:
+            backend.waiting.discard(ex)
+
+    # ---- one attempt ----
+
+    def _client_timeout(self, connect_s: float) -> aiohttp.ClientTimeout:
+        timeout = self._client_timeouts.get(connect_s)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
+            self._client_timeouts[connect_s] = timeout
+        return timeout
+
+    async def _send(self, ex: Exchange, backend: Backend) -> aiohttp.ClientResponse:
+        """Posts the request and waits for the response headers (the caller bounds the wait)."""
+        config = ex.route.config
+        headers = {"Content-Type": _JSON, "x-request-id": ex.request_id}
+        if config.api_key:
+            headers["Authorization"] = f"Bearer {config.api_key}"
+        try:
+            return await self.session.post(
+                backend.url + ex.path,
+                data=ex.body,
+                headers=headers,
+                timeout=self._client_timeout(config.timeouts.connect_s),
+            )
+        except aiohttp.ConnectionTimeoutError as exc:
+            self.metrics.timeouts.labels(ex.route.name, "connect").inc()
+            self._failed(ex, backend)
+            raise Retryable(
+                504,
+                error_body(
+                    504, "Timed out connecting to the upstream.", "upstream_connect_timeout"
+                ),
+                "connect_timeout",
+            ) from exc
+        except aiohttp.ClientConnectorError as exc:
+            self._failed(ex, backend)
+            raise Retryable(
+                502,
+                error_body(502, "Could not connect to the upstream.", "upstream_connect_error"),
+                "connect",
+            ) from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            self._failed(ex, backend)
+            raise Retryable(
+                502,
+                error_body(502, "The upstream closed the connection.", "upstream_disconnected"),
+                "disconnect",
+            ) from exc
+
+    async def _unary(self, ex: Exchange, backend: Backend) -> tuple[int, bytes, str]:
+        timeouts = ex.route.config.timeouts
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + timeouts.total_s - (time.monotonic() - ex.started)
+        phase = "first_byte"
+        backend.outstanding += 1
+        try:
+            async with asyncio.timeout_at(min(deadline, start + timeouts.first_byte_s)) as cm:
+                resp = await self._send(ex, backend)
+                try:
+                    self.metrics.child(
+                        self.metrics.upstream_latency, ex.route.name, backend.label
+                    ).observe(loop.time() - start)
+                    phase = "idle"
+                    cm.reschedule(min(deadline, loop.time() + timeouts.idle_s))
+                    body = await resp.read()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                    resp.close()
+                    self._failed(ex, backend)
+                    raise Retryable(
+                        502,
+                        error_body(
+                            502,
+                            "The upstream closed the connection mid-response.",
+                            "upstream_disconnected",
+                        ),
+                        "disconnect",
+                    ) from exc
+                finally:
+                    resp.release()
+        except TimeoutError as exc:
+            if isinstance(exc, aiohttp.ClientError):
+                raise
+            raise self._timed_out(ex, backend, phase, loop.time() >= deadline) from exc
+        finally:
+            backend.outstanding -= 1
+        status = resp.status
+        content_type = resp.content_type or _JSON
+        self._judge(ex, backend, status, body, content_type)
+        if status == 200 and content_type == _JSON:
+            self._read_usage(ex, body)
+        return status, body, content_type
+
+    def _judge(
+        self, ex: Exchange, backend: Backend, status: int, body: bytes, content_type: str
+    ) -> None:
+        """Passive health bookkeeping for an answered attempt; raises for retryable answers."""
+        if status < 500:
+            self.health.record_success(backend)
+            return
+        self._failed(ex, backend)
+        if status in _RETRY_STATUSES:
+            raise Retryable(status, body, f"status_{status}", content_type)
+
+    def _failed(self, ex: Exchange, backend: Backend) -> None:
+        self.health.record_failure(ex.route, backend)
+
+    def _timed_out(
+        self, ex: Exchange, backend: Backend, phase: str, total: bool
+    ) -> UpstreamFailure:
+        kind = "total" if total else phase
+        self.metrics.timeouts.labels(ex.route.name, kind).inc()
+        self._failed(ex, backend)
+        message = {
+            "first_byte": "The upstream did not start answering in time.",
+            "idle": "The upstream stalled while answering.",
+            "total": "The request exceeded its total time limit.",
+        }[kind]
+        code = f"upstream_timeout_{kind}"
+        return UpstreamFailure(
+            504, error_body(504, message, code), f"timeout_{kind}", message=message
+        )
+
+    def _read_usage(self, ex: Exchange, body: bytes) -> None:
+        """Decodes just the ``usage`` object (usually at the end) rather than the whole answer."""
+        at = body.rfind(b'"usage"')
+        if at < 0:
+            return
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            colon = body.index(b":", at + 7)
+            usage, _ = _DECODER.raw_decode(body[colon + 1 :].decode().lstrip())
+            ex.usage(usage)
+
+    def _rewrite_model(self, ex: Exchange, data: bytes) -> bytes:
+        """Answers carry the upstream's own model name; show clients the served name instead."""
+        config = ex.route.config
+        if not config.upstream_model or config.upstream_model == config.name:
+            return data
+        wire = json.dumps(config.upstream_model).encode()
+        served = json.dumps(config.name).encode()
+        return data.replace(b'"model":' + wire, b'"model":' + served).replace(
+            b'"model": ' + wire, b'"model": ' + served
+        )
+
+    # ---- streams ----
+
+    async def _open_stream(
+        self,
+        ex: Exchange,
+        backend: Backend,
+    ) -> tuple[aiohttp.ClientResponse, bytes, Backend]:
+        """Sends the request and waits for the first chunk; only then is the attempt a success."""
+        timeouts = ex.route.config.timeouts
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + timeouts.total_s - (time.monotonic() - ex.started)
+        backend.outstanding += 1
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout_at(min(deadline, start + timeouts.first_byte_s)):
+                resp = await self._send(ex, backend)
+                self.metrics.child(
+                    self.metrics.upstream_latency, ex.route.name, backend.label
+                ).observe(loop.time() - start)
+                if resp.status != 200:
+                    body = await resp.read()
+                    resp.release()
+                    content_type = resp.content_type or _JSON
+                    self._judge(ex, backend, resp.status, body, content_type)
+                    raise UpstreamFailure(resp.status, body, f"status_{resp.status}", content_type)
+                first = await resp.content.readany()
+        except TimeoutError as exc:
+            if resp is not None:
+                resp.close()
+            backend.outstanding -= 1
+            if isinstance(exc, aiohttp.ClientError):
+                raise
+            raise self._timed_out(ex, backend, "first_byte", loop.time() >= deadline) from exc
+        except aiohttp.ClientError as exc:
+            if resp is not None:
+                resp.close()
+            backend.outstanding -= 1
+            self._failed(ex, backend)
+            raise Retryable(
+                502,
+                error_body(
+                    502,
+                    "The upstream closed the connection before streaming.",
+                    "upstream_disconnected",
+                ),
+                "disconnect",
+            ) from exc
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            backend.outstanding -= 1
+            raise
+        if not first:
+            resp.close()
+            backend.outstanding -= 1
+            self._failed(ex, backend)
+            raise Retryable(
+                502,
+                error_body(
+                    502, "The upstream ended the stream before any data.", "upstream_disconnected"
+                ),
+                "disconnect",
+            )
+        self.health.record_success(backend)
+        ex.backend = backend.label
+        return resp, first, backend
+
+    async def _pump(
+        self,
+        request: web.Request,
+        ex: Exchange,
+        resp: aiohttp.ClientResponse,
+        first: bytes,
+        backend: Backend,
+    ) -> web.StreamResponse:
+        """Relays SSE events as they arrive; ends with an error event if the upstream fails."""
+        timeouts = ex.route.config.timeouts
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeouts.total_s - (time.monotonic() - ex.started)
+        response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **self._headers(ex)})
+        relay = SseRelay(ex, ex.strip_usage, self._rewrite_pair(ex))
+        ex.status = 200
+        phase = "write"
+        try:
+            async with asyncio.timeout_at(deadline) as cm:
+                await response.prepare(request)
+                self.metrics.child(self.metrics.ttft, ex.route.name).observe(
+                    time.monotonic() - ex.started
+                )
+                chunk = first
+                while chunk:
+                    out = relay.feed(chunk)
+                    if out:
+                        phase = "write"
+                        cm.reschedule(deadline)
+                        await response.write(out)
+                    phase = "idle"
+                    cm.reschedule(min(deadline, loop.time() + timeouts.idle_s))
+                    chunk = await resp.content.readany()
+                phase = "write"
+                cm.reschedule(deadline)
+                tail = relay.flush()
+                if tail:
+                    await response.write(tail)
+                if not relay.done:
+                    self._failed(ex, backend)
+                    ex.error = "stream_cut"
+                    await response.write(
+                        sse_error_event(
+                            502,
+                            "The upstream ended the stream without finishing it.",
+                            "upstream_stream_cut",
+                        )
+                    )
+        except TimeoutError as exc:
+            if isinstance(exc, aiohttp.ClientError) or phase == "write":
+                ex.status, ex.error = 499, "client_too_slow"  # the client stopped reading
+            else:
+                failure = self._timed_out(ex, backend, phase, loop.time() >= deadline)
+                ex.error = failure.reason
+                await _try_write(
+                    response,
+                    sse_error_event(504, str(failure), f"upstream_{failure.reason}"),
+                )
+        except (
+            aiohttp.ClientConnectionError,
+            aiohttp.ClientPayloadError,
+            ConnectionResetError,
+        ):
+            if phase == "write":
+                ex.status, ex.error = 499, "client_disconnected"
+            else:
+                self._failed(ex, backend)
+                ex.error = "upstream_disconnected"
+                await _try_write(
+                    response,
+                    sse_error_event(
+                        502,
+                        "The upstream failed in the middle of the stream.",
+                        "upstream_disconnected",
+                    ),
+                )
+        finally:
+            backend.outstanding -= 1
+            if relay.done and not relay.pending:
+                resp.release()
+            else:
+                resp.close()  # drop the upstream connection: the upstream stops generating
+        return response
+
+    def _rewrite_pair(self, ex: Exchange) -> tuple[bytes, bytes] | None:
+        config = ex.route.config
+        if not config.upstream_model or config.upstream_model == config.name:
+            return None
+        return json.dumps(config.upstream_model).encode(), json.dumps(config.name).encode()
+
+
+async def _try_write(response: web.StreamResponse, data: bytes) -> None:
+    """Best effort: the error event cannot reach a client that has gone."""
+    try:
+        if response.prepared:
+            await response.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionError):
+        pass
+
+
+def _events_end(data: bytes) -> int:
+    """Offset just past the last complete SSE event in ``data`` (0 if none)."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+class SseRelay:
+    """Cuts the upstream byte stream at event boundaries and passes events through unchanged,
+    except that it reads usage, drops the usage-only event a client did not ask for, and maps the
+    upstream's model name back to the served one."""
+
+    __slots__ = ("done", "ex", "pending", "rewrite", "strip_usage")
+
+    def __init__(
+        self, ex: Exchange, strip_usage: bool, rewrite: tuple[bytes, bytes] | None
+    ) -> None:
+        self.ex = ex
+        self.strip_usage = strip_usage
+        self.rewrite = rewrite
+        self.pending = b""
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.pending + chunk if self.pending else chunk
+        end = _events_end(data)
+        if end == 0:
+            self.pending = data
+            return b""
+        self.pending = data[end:]
+        return self._process(data[:end])
+
+    def flush(self) -> bytes:
+        data, self.pending = self.pending, b""
+        return self._process(data) if data else b""
+
+    def _process(self, events: bytes) -> bytes:
+        if b"data: [DONE]" in events or b"data:[DONE]" in events:
+            self.done = True
+        if b'"usage"' in events:
+            events = self._usage(events)
+        if self.rewrite:
+            wire, served = self.rewrite
+            events = events.replace(b'"model":' + wire, b'"model":' + served).replace(
+                b'"model": ' + wire, b'"model": ' + served
+            )
+        return events
+
+    def _usage(self, events: bytes) -> bytes:
+        if b"\r\n" in events:
+            events = events.replace(b"\r\n", b"\n")
+        kept = []
+        for event in events.split(b"\n\n"):
+            if (
+                b'"usage"' in event
+                and event.startswith(b"data:")
+                and b'"usage":null' not in event
+                and b'"usage": null' not in event
+            ):
+                try:
+                    obj = json.loads(event[5:])
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict) and obj.get("usage"):
+                    self.ex.usage(obj["usage"])
+                    if self.strip_usage and not obj.get("choices"):
+                        continue
+            kept.append(event)
+        return b"\n\n".join(kept)

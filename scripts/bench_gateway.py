@@ -1,0 +1,424 @@
+#!/usr/bin/env python
+"""Gateway overhead benchmark: the same load direct to an upstream and through the gateway, side
+by side in one run, JSON out.
+
+Upstreams: a fast mock OpenAI server (tests/gateway/mock_upstream.py, started here) and, with
+``--engine-url``, a real engine (or any OpenAI-compatible server) already running.
+
+For each upstream: non-streaming requests at concurrency 1 (latency p50/p99) and 64 (requests/s),
+streaming time to first chunk at concurrency 1, and the gateway process's CPU seconds per 1,000
+proxied requests (from /proc/PID/stat). Every phase is bounded by a request count and a time limit.
+
+    python scripts/bench_gateway.py --out bench-results/gateway.json
+    python scripts/bench_gateway.py --engine-url http://127.0.0.1:8001 --engine-model smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+MOCK = REPO / "tests" / "gateway" / "mock_upstream.py"
+IDLE_SAMPLE_S = 2.0
+GOALS = {
+    "cpu_ms_per_request": 0.5,
+    "added_p50_ms_c1": 1.0,
+    "gateway_rps_c64": 1500,
+    "first_chunk_overhead_ms": 1.0,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def raw_load(
+    url: str, body: bytes, concurrency: int, count: int, max_s: float
+) -> dict[str, Any]:
+    """Non-streaming load from a lean keep-alive HTTP/1.1 client (asyncio streams), so that the
+    load generator takes less of the shared CPUs than an aiohttp client would."""
+    parts = urlsplit(url)
+    request = (
+        f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    latencies: list[float] = []
+    errors = 0
+    issued = 0
+    start = time.perf_counter()
+    deadline = start + max_s
+
+    async def worker() -> None:
+        nonlocal issued, errors
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            while issued < count and time.perf_counter() < deadline:
+                issued += 1
+                t0 = time.perf_counter()
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+                await reader.readexactly(length)
+                if head.startswith(b"HTTP/1.1 200"):
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    return _summary(latencies, [], errors, elapsed)
+
+
+def _summary(
+    latencies: list[float], first_chunks: list[float], errors: int, elapsed: float
+) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "requests": len(latencies),
+        "errors": errors,
+        "seconds": round(elapsed, 3),
+        "requests_per_s": round(len(latencies) / elapsed, 1),
+    }
+    if latencies:
+        result.update(
+            p50_ms=round(percentile(latencies, 0.5) * 1000, 3),
+            p99_ms=round(percentile(latencies, 0.99) * 1000, 3),
+            mean_ms=round(statistics.fmean(latencies) * 1000, 3),
+        )
+    if first_chunks:
+        result.update(
+            first_chunk_p50_ms=round(percentile(first_chunks, 0.5) * 1000, 3),
+            first_chunk_p99_ms=round(percentile(first_chunks, 0.99) * 1000, 3),
+        )
+    return result
+
+
+async def load(
+    url: str, body: bytes, concurrency: int, count: int, max_s: float, stream: bool = False
+) -> dict[str, Any]:
+    """Sends up to ``count`` requests from ``concurrency`` workers for at most ``max_s``."""
+    latencies: list[float] = []
+    first_chunks: list[float] = []
+    errors = 0
+    issued = 0
+    headers = {"Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.perf_counter()
+        deadline = start + max_s
+
+        async def worker() -> None:
+            nonlocal issued, errors
+            while issued < count and time.perf_counter() < deadline:
+                issued += 1
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(url, data=body, headers=headers) as resp:
+                        if stream:
+                            await resp.content.readany()
+                            first_chunks.append(time.perf_counter() - t0)
+                        await resp.read()
+                        ok = resp.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    result: dict[str, Any] = {
+        "requests": len(latencies),
+        "errors": errors,
+        "seconds": round(elapsed, 3),
+        "requests_per_s": round(len(latencies) / elapsed, 1),
+    }
+    if latencies:
+        result.update(
+            p50_ms=round(percentile(latencies, 0.5) * 1000, 3),
+            p99_ms=round(percentile(latencies, 0.99) * 1000, 3),
+            mean_ms=round(statistics.fmean(latencies) * 1000, 3),
+        )
+    if first_chunks:
+        result.update(
+            first_chunk_p50_ms=round(percentile(first_chunks, 0.5) * 1000, 3),
+            first_chunk_p99_ms=round(percentile(first_chunks, 0.99) * 1000, 3),
+        )
+    return result
+
+
+async def measure(
+    direct_base: str,
+    gateway_base: str,
+    gateway_pid: int,
+    direct_model: str,
+    gateway_model: str,
+    args: argparse.Namespace,
+    scale: float,
+) -> dict[str, Any]:
+    def body(model: str, stream: bool) -> bytes:
+        return json.dumps(
+            {
+                "model": model,
+                "max_tokens": args.max_tokens,
+                "stream": stream,
+                "messages": [{"role": "user", "content": "Say hi."}],
+            }
+        ).encode()
+
+    def n(count: int) -> int:
+        return max(10, int(count * scale))
+
+    out: dict[str, Any] = {"direct": {}, "gateway": {}}
+    targets = (("direct", direct_base, direct_model), ("gateway", gateway_base, gateway_model))
+    path = "/v1/chat/completions"
+    for _name, base, model in targets:  # warm connections and caches
+        await load(base + path, body(model, False), 8, n(200), 10)
+    # Background CPU (health checks, timers) while idle, to subtract from slow phases.
+    idle_before = cpu_seconds(gateway_pid)
+    await asyncio.sleep(IDLE_SAMPLE_S)
+    idle_rate = (cpu_seconds(gateway_pid) - idle_before) / IDLE_SAMPLE_S
+    out["gateway_idle_cpu_s_per_s"] = round(idle_rate, 5)
+    phases = (
+        ("c1", 1, n(args.requests_c1), False),
+        ("c64", 64, n(args.requests_c64), False),
+        ("stream_c1", 1, n(args.requests_stream), True),
+    )
+    for phase, concurrency, count, stream in phases:
+        for name, base, model in targets:
+            cpu_before = cpu_seconds(gateway_pid)
+            if stream:
+                result = await load(
+                    base + path, body(model, True), concurrency, count, args.max_seconds, True
+                )
+            else:
+                result = await raw_load(
+                    base + path, body(model, False), concurrency, count, args.max_seconds
+                )
+            if name == "gateway" and result["requests"]:
+                cpu = cpu_seconds(gateway_pid) - cpu_before
+                net = max(0.0, cpu - idle_rate * result["seconds"])
+                result["gateway_cpu_s_per_1000"] = round(cpu / result["requests"] * 1000, 4)
+                result["gateway_cpu_s_per_1000_net_of_idle"] = round(
+                    net / result["requests"] * 1000, 4
+                )
+            out[name][phase] = result
+    d, g = out["direct"], out["gateway"]
+    out["gateway_vs_direct"] = {
+        "added_p50_ms_c1": round(g["c1"]["p50_ms"] - d["c1"]["p50_ms"], 3),
+        "added_p99_ms_c1": round(g["c1"]["p99_ms"] - d["c1"]["p99_ms"], 3),
+        "added_p50_ms_c64": round(g["c64"]["p50_ms"] - d["c64"]["p50_ms"], 3),
+        "added_p99_ms_c64": round(g["c64"]["p99_ms"] - d["c64"]["p99_ms"], 3),
+        "requests_per_s_ratio_c64": round(
+            g["c64"]["requests_per_s"] / d["c64"]["requests_per_s"], 3
+        ),
+        "first_chunk_overhead_p50_ms": round(
+            g["stream_c1"]["first_chunk_p50_ms"] - d["stream_c1"]["first_chunk_p50_ms"], 3
+        ),
+        "gateway_cpu_ms_per_request_c64": g["c64"].get("gateway_cpu_s_per_1000"),
+        "gateway_cpu_ms_per_request_c1": g["c1"].get("gateway_cpu_s_per_1000"),
+        "gateway_cpu_ms_per_request_c64_net_of_idle": g["c64"].get(
+            "gateway_cpu_s_per_1000_net_of_idle"
+        ),
+    }
+    return out
+
+
+def write_config(path: Path, models: list[dict[str, Any]], access_log: bool) -> None:
+    import yaml
+
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "gateway": {
+                    "access_log": access_log,
+                    "watch_config": False,
+                    "health": {"interval_s": 5, "timeout_s": 2},
+                },
+                "models": models,
+            }
+        )
+    )
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    procs: list[subprocess.Popen] = []
+    report: dict[str, Any] = {
+        "benchmark": "gateway overhead (direct vs through the gateway)",
+        "machine": {
+            "load_average_at_start": os.getloadavg(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "goals": GOALS,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mock_port = free_port()
+            mock_url = f"http://127.0.0.1:{mock_port}"
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(MOCK), "--port", str(mock_port), "--name", "mock"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            wait_ready(mock_url + "/ready", procs[-1])
+            models = [{"name": "bench", "upstreams": [mock_url]}]
+            if args.engine_url:
+                models.append(
+                    {
+                        "name": "engine",
+                        "upstreams": [args.engine_url],
+                        "upstream_model": args.engine_model,
+                        "health_path": args.engine_health_path,
+                    }
+                )
+            config = Path(tmp) / "models.yaml"
+            write_config(config, models, not args.no_access_log)
+            port = free_port()
+            gateway = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gateway.cli",
+                    "serve",
+                    "-c",
+                    str(config),
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            procs.append(gateway)
+            gateway_url = f"http://127.0.0.1:{port}"
+            wait_ready(gateway_url + "/ready", gateway)
+            report["mock"] = await measure(
+                mock_url, gateway_url, gateway.pid, "mock", "bench", args, 1.0
+            )
+            if args.engine_url:
+                wait_ready(args.engine_url.rstrip("/") + args.engine_health_path, None)
+                report["engine"] = await measure(
+                    args.engine_url.rstrip("/"),
+                    gateway_url,
+                    gateway.pid,
+                    args.engine_model,
+                    "engine",
+                    args,
+                    args.engine_scale,
+                )
+        finally:
+            for proc in procs:
+                proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
+                if proc.poll() is None:
+                    proc.kill()
+    report["machine"]["load_average_at_end"] = os.getloadavg()
+    vs = report["mock"]["gateway_vs_direct"]
+    gateway_rps = report["mock"]["gateway"]["c64"]["requests_per_s"]
+    cpu_ms = vs["gateway_cpu_ms_per_request_c64"]
+    report["summary"] = {
+        "gateway_cpu_ms_per_request": cpu_ms,
+        "gateway_capacity_req_per_s_per_core": round(1000 / cpu_ms) if cpu_ms else None,
+        "gateway_rps_c64_measured": gateway_rps,
+        "added_p50_ms_c1": vs["added_p50_ms_c1"],
+        "added_p99_ms_c1": vs["added_p99_ms_c1"],
+        "first_chunk_overhead_ms": vs["first_chunk_overhead_p50_ms"],
+        "goals_met": {
+            "cpu_ms_per_request": cpu_ms is not None and cpu_ms <= GOALS["cpu_ms_per_request"],
+            "added_p50_ms_c1": vs["added_p50_ms_c1"] <= GOALS["added_p50_ms_c1"],
+            "gateway_rps_c64": gateway_rps >= GOALS["gateway_rps_c64"],
+            "first_chunk_overhead_ms": vs["first_chunk_overhead_p50_ms"]
+            <= GOALS["first_chunk_overhead_ms"],
+        },
+        "note": "load generator, mock upstream and gateway share this machine's CPUs; "
+        "requests/s is bounded by all three, CPU per request by the gateway alone",
+    }
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests-c1", type=int, default=1000)
+    parser.add_argument("--requests-c64", type=int, default=10000)
+    parser.add_argument("--requests-stream", type=int, default=500)
+    parser.add_argument("--max-seconds", type=float, default=20.0, help="per phase and target")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--no-access-log", action="store_true")
+    parser.add_argument("--engine-url", help="also measure against this running server")
+    parser.add_argument("--engine-model", default="smollm2")
+    parser.add_argument("--engine-health-path", default="/ready")
+    parser.add_argument(
+        "--engine-scale",
+        type=float,
+        default=0.05,
+        help="request counts for the engine, as a share of the mock's",
+    )
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    try:
+        import uvloop
+
+        report = uvloop.run(main_async(args))
+    except ImportError:
+        report = asyncio.run(main_async(args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Gateway test fixtures: mock upstream processes and an in-process gateway on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+
+from gateway.app import Gateway, create_app
+from gateway.config import load_config
+
+MOCK_SCRIPT = Path(__file__).with_name("mock_upstream.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _http_json(method: str, url: str, body: Any = None, timeout: float = 5.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+class MockUpstream:
+    """A mock upstream in its own process, so a test can SIGKILL it and start it again."""
+
+    def __init__(self, name: str = "mock-model", port: int | None = None) -> None:
+        self.name = name
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 15.0) -> MockUpstream:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(MOCK_SCRIPT), "--port", str(self.port), "--name", self.name],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mock upstream exited with {self.proc.returncode}")
+            with contextlib.suppress(OSError):
+                _http_json("GET", self.url + "/ready", timeout=0.5)
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("mock upstream did not become ready")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def control(self, **settings: Any) -> None:
+        _http_json("POST", self.url + "/control", settings)
+
+    def stats(self) -> dict[str, Any]:
+        return _http_json("GET", self.url + "/stats")
+
+
+@pytest.fixture(scope="session")
+def upstreams() -> Iterator[list[MockUpstream]]:
+    """Two long-lived mock upstreams shared by tests that do not kill them."""
+    mocks = [MockUpstream("mock-a").start(), MockUpstream("mock-b").start()]
+    yield mocks
+    for mock in mocks:
+        mock.stop()
+
+
+@pytest.fixture
+def fresh_upstreams(upstreams: list[MockUpstream]) -> list[MockUpstream]:
+    for mock in upstreams:
+        mock.control()
+    return upstreams
+
+
+@pytest.fixture
+def spawn_upstream() -> Iterator:
+    """Starts mock upstreams a test may kill; all are stopped afterwards."""
+    started: list[MockUpstream] = []
+
+    def spawn(name: str = "mock-model", port: int | None = None) -> MockUpstream:
+        mock = MockUpstream(name, port).start()
+        started.append(mock)
+        return mock
+
+    yield spawn
+    for mock in started:
+        mock.stop()
+
+
+def fleet(upstream_urls: list[str], **gateway: Any) -> dict[str, Any]:
+    """A models.yaml document with one routed model 'm1' (alias 'default') and fast health
+    settings; keyword arguments override gateway settings."""
+    settings: dict[str, Any] = {
+        "health": {"interval_s": 0.2, "timeout_s": 0.5, "unhealthy_after": 1, "healthy_after": 1},
+        "ejection": {"consecutive_failures": 2, "base_s": 0.3, "max_s": 5, "max_percent": 50},
+        "retries": {"attempts": 3, "backoff_ms": 5},
+        "watch_config": False,
+    }
+    settings.update(gateway)
+    return {
+        "gateway": settings,
+        "models": [
+            {
+                "name": "m1",
+                "aliases": ["default"],
+                "upstreams": upstream_urls,
+                "health_path": "/ready",
+            }
+        ],
+    }
+
+
+class RunningGateway:
+    def __init__(
+        self, gateway: Gateway, url: str, session: aiohttp.ClientSession, path: Path
+    ) -> None:
+        self.gateway = gateway
+        self.url = url
+        self.http = session
+        self.path = path
+
+    async def post(self, path: str, body: Any, **kwargs: Any) -> aiohttp.ClientResponse:
+        return await self.http.post(self.url + path, json=body, **kwargs)
+
+    async def chat(self, model: str = "m1", **fields: Any) -> aiohttp.ClientResponse:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **fields}
+        return await self.post("/v1/chat/completions", body)
+
+
+@pytest.fixture
+async def start_gateway(tmp_path: Path) -> AsyncIterator:
+    """Starts an in-process gateway from a models.yaml document written to tmp_path."""
+    runners: list[web.AppRunner] = []
+    sessions: list[aiohttp.ClientSession] = []
+
+    async def start(
+        document: dict[str, Any],
+        env: dict[str, str] | None = None,
+    ) -> RunningGateway:
+        path = tmp_path / "models.yaml"
+        path.write_text(yaml.safe_dump(document))
+        with _env(env or {}):
+            config = load_config(path)
+        gateway = Gateway(config, str(path))
+        runner = web.AppRunner(create_app(gateway), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        session = aiohttp.ClientSession()
+        sessions.append(session)
+        return RunningGateway(gateway, f"http://127.0.0.1:{port}", session, path)
+
+    yield start
+    for session in sessions:
+        await session.close()
+    for runner in runners:
+        await runner.cleanup()
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

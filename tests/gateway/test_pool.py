@@ -1,0 +1,209 @@
+"""The engine pool with a fake engine process: spawn, readiness, crash restart, rolling reload."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from aiohttp import web
+
+from gateway import pool as pool_module
+from gateway.app import Gateway, create_app
+from gateway.config import load_config
+from gateway.pool import engine_command
+from tests.gateway.conftest import free_port
+from tests.gateway.test_resilience import wait_for
+
+FAKE_ENGINE = (sys.executable, str(Path(__file__).with_name("fake_engine.py")))
+
+
+def local_fleet(tmp_path: Path, replicas: int = 2, **model) -> dict:
+    source = tmp_path / "tiny.gguf"
+    source.write_bytes(b"GGUF")
+    return {
+        "gateway": {
+            "health": {"interval_s": 0.2, "timeout_s": 0.5},
+            "ejection": {"consecutive_failures": 2, "base_s": 0.3},
+            "retries": {"attempts": 3, "backoff_ms": 5},
+            "watch_config": False,
+        },
+        "models": [
+            {
+                "name": "local",
+                "aliases": ["default"],
+                "source": str(source),
+                "replicas": replicas,
+                "kv_cache_memory": "64MiB",
+                "max_num_seqs": 4,
+                **model,
+            }
+        ],
+    }
+
+
+@pytest.fixture
+async def pooled(tmp_path, monkeypatch):
+    monkeypatch.setattr(pool_module, "BACKOFF_BASE_S", 0.2)
+    monkeypatch.setattr(pool_module, "READY_POLL_S", 0.05)
+    runners = []
+
+    async def start(doc: dict):
+        path = tmp_path / "models.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        gateway = Gateway(load_config(path), str(path), engine_launcher=FAKE_ENGINE)
+        runner = web.AppRunner(create_app(gateway), handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return gateway, f"http://127.0.0.1:{port}", path
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+def pids(gateway: Gateway) -> set[int]:
+    return {r.proc.pid for r in gateway.pool.replicas.get("local", []) if r.proc}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+async def chat(session, url: str, model: str = "default") -> int:
+    async with session.post(
+        url + "/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+    ) as resp:
+        await resp.read()
+        return resp.status
+
+
+def test_engine_command_flags(tmp_path):
+    doc = local_fleet(tmp_path, gpu_memory_fraction=0.3, engine_args=["--num-threads", "2"])
+    config = load_config(_write(tmp_path, doc))
+    cmd = engine_command(config.models[0], 9123)
+    assert cmd[1:3] == ["-m", "engine"]
+    joined = " ".join(cmd)
+    for flag in (
+        "--served-model-name local",
+        "--host 127.0.0.1",
+        "--port 9123",
+        "--max-num-seqs 4",
+        f"--kv-cache-memory {64 * 2**20}",
+        "--gpu-memory-fraction 0.3",
+        "--device auto",
+        "--num-threads 2",
+    ):
+        assert flag in joined
+
+
+def _write(tmp_path: Path, doc: dict) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+async def test_spawn_route_restart_and_stop(pooled, tmp_path):
+    import aiohttp
+
+    gateway, url, _ = await pooled(
+        local_fleet(tmp_path, replicas=2, engine_args=["--ready-delay-s", "0.3"])
+    )
+    route = gateway.router.resolve("local")
+    async with aiohttp.ClientSession() as session:
+        assert await chat(session, url) == 503  # still loading: fast 503, not a hang
+        await wait_for(lambda: len(route.backends) == 2, timeout=15)
+        assert await chat(session, url) == 200
+        ready = await (await session.get(url + "/ready")).json()
+        assert ready["models"] == {"local": True}
+        # SIGKILL one engine while traffic flows: requests keep succeeding, it comes back.
+        victim = gateway.pool.replicas["local"][0]
+        old_pid = victim.proc.pid
+        statuses = []
+
+        async def traffic():
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                statuses.append(await chat(session, url))
+
+        task = asyncio.create_task(traffic())
+        await asyncio.sleep(0.2)
+        os.kill(old_pid, signal.SIGKILL)
+        await wait_for(lambda: victim.proc.pid != old_pid and victim.ready, timeout=10)
+        await task
+        assert statuses and set(statuses) == {200}
+        assert victim.restarts == 1
+        assert len(route.backends) == 2
+    engine_pids = pids(gateway)
+    await gateway.pool.stop()
+    assert not any(alive(pid) for pid in engine_pids)
+    assert route.backends == []
+
+
+async def test_rolling_reload_without_dropping_requests(pooled, tmp_path):
+    import aiohttp
+
+    gateway, url, path = await pooled(local_fleet(tmp_path, replicas=2))
+    route = gateway.router.resolve("local")
+    await wait_for(lambda: len(route.backends) == 2, timeout=15)
+    before = pids(gateway)
+    statuses = []
+    async with aiohttp.ClientSession() as session:
+        stop = asyncio.Event()
+
+        async def traffic():
+            while not stop.is_set():
+                statuses.append(await chat(session, url))
+
+        tasks = [asyncio.create_task(traffic()) for _ in range(4)]
+        # A changed engine setting: every replica is replaced, one at a time.
+        path.write_text(yaml.safe_dump(local_fleet(tmp_path, replicas=2, max_num_seqs=8)))
+        await gateway.reload()
+        await wait_for(
+            lambda: (
+                not (pids(gateway) & before)
+                and len(route.backends) == 2
+                and all(r.ready for r in gateway.pool.replicas["local"])
+            ),
+            timeout=20,
+        )
+        stop.set()
+        await asyncio.gather(*tasks)
+        assert len(statuses) > 20 and set(statuses) == {200}
+        assert not any(alive(pid) for pid in before)
+        assert all("--max-num-seqs 8" in " ".join(r.spec) for r in gateway.pool.replicas["local"])
+        # A new engine that cannot start: the rollout stops and the old replicas keep serving.
+        serving = pids(gateway)
+        path.write_text(
+            yaml.safe_dump(local_fleet(tmp_path, replicas=2, engine_args=["--fail-start"]))
+        )
+        await gateway.reload()
+        await gateway.pool.apply(gateway.config)  # waits for the (failing) rollout
+        assert pids(gateway) == serving
+        assert await chat(session, url) == 200
+        # Scale down, then remove the model: its engines stop.
+        path.write_text(yaml.safe_dump(local_fleet(tmp_path, replicas=1, max_num_seqs=8)))
+        await gateway.reload()
+        await gateway.pool.apply(gateway.config)
+        assert len(route.backends) == 1 and len(pids(gateway)) == 1
+        remaining = pids(gateway)
+        doc = local_fleet(tmp_path)
+        doc["models"] = [{"name": "other", "upstreams": ["http://127.0.0.1:9"]}]
+        path.write_text(yaml.safe_dump(doc))
+        await gateway.reload()
+        await gateway.pool.apply(gateway.config)
+        assert not any(alive(pid) for pid in remaining)
+        assert await chat(session, url) == 404

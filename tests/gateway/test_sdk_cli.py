@@ -1,0 +1,210 @@
+"""`modelyard serve` as a real process, used through the official openai SDK; SIGHUP reload."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from tests.gateway.conftest import MockUpstream, fleet, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET = "sk-sdk-test"
+
+
+class GatewayProcess:
+    def __init__(self, config: Path, port: int) -> None:
+        self.config = config
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "SDK_TEST_KEY": SECRET}
+        # Files, not pipes: a full pipe would block the gateway's logging.
+        self.stdout = config.with_name("gateway.stdout")
+        self.stderr = config.with_name("gateway.stderr")
+        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gateway.cli",
+                    "serve",
+                    "-c",
+                    str(config),
+                    "--port",
+                    str(port),
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=err,
+            )
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.stderr.read_text())
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(self.url + "/ready", timeout=0.5).read()
+                return
+            time.sleep(0.05)
+        raise RuntimeError("gateway did not become ready")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[tuple[GatewayProcess, MockUpstream, Path]]:
+    upstream = MockUpstream("m1").start()
+    doc = fleet([upstream.url])
+    doc["gateway"]["auth"] = {"keys": [{"name": "sdk", "key_env": "SDK_TEST_KEY"}]}
+    path = tmp_path_factory.mktemp("sdk") / "models.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    gateway = GatewayProcess(path, free_port())
+    try:
+        gateway.wait_ready()
+        yield gateway, upstream, path
+    finally:
+        gateway.stop()
+        upstream.stop()
+
+
+def test_sync_sdk(served):
+    gateway, _, _ = served
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=SECRET, max_retries=0)
+    chat = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert chat.choices[0].message.content == "tok tok tok "
+    assert chat.model == "m1" and chat.usage.completion_tokens == 3
+    text = client.completions.create(model="m1", prompt="a b", max_tokens=2)
+    assert text.choices[0].text == "tok tok "
+    assert {m.id for m in client.models.list()} == {"m1", "default"}
+    stream = client.chat.completions.create(
+        model="m1",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "tok " * 4
+    assert chunks[-1].usage.completion_tokens == 4
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+async def test_async_sdk_streaming(served):
+    gateway, _, _ = served
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=SECRET, max_retries=0)
+    stream = await client.chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+    )
+    pieces = [c.choices[0].delta.content async for c in stream if c.choices]
+    assert "".join(p or "" for p in pieces) == "tok " * 5
+    chat = await client.chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert chat.choices[0].finish_reason == "length"
+    models = await client.models.list()
+    assert "default" in {m.id async for m in models}
+    await client.close()
+
+
+def test_sdk_sees_mid_stream_error(served):
+    gateway, upstream, _ = served
+    upstream.control(fail="die_mid_stream")
+    try:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=SECRET, max_retries=0)
+        stream = client.chat.completions.create(
+            model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+    finally:
+        upstream.control()
+
+
+def test_sighup_reload_and_access_log(served):
+    """SIGHUP reloads models.yaml; the access log has one JSON line per request."""
+    gateway, upstream, path = served
+    doc = yaml.safe_load(path.read_text())
+    doc["models"][0]["aliases"] = ["default", "via-sighup"]
+    path.write_text(yaml.safe_dump(doc))
+    gateway.proc.send_signal(signal.SIGHUP)
+    request = urllib.request.Request(
+        gateway.url + "/v1/chat/completions",
+        method="POST",
+        data=json.dumps(
+            {"model": "via-sighup", "messages": [{"role": "user", "content": "x"}]}
+        ).encode(),
+        headers={
+            "Authorization": f"Bearer {SECRET}",
+            "Content-Type": "application/json",
+            "x-request-id": "trace-me-42",
+        },
+    )
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                assert resp.status == 200
+                break
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 404
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    assert "config reloaded (SIGHUP)" in gateway.stderr.read_text()
+    deadline = time.monotonic() + 5
+    entry = None
+    while entry is None and time.monotonic() < deadline:
+        entries = [json.loads(x) for x in gateway.stdout.read_text().splitlines()]
+        # Tries before the reload was applied were logged as 404s under the same id.
+        entry = next(
+            (e for e in entries if e["request_id"] == "trace-me-42" and e["status"] == 200), None
+        )
+        time.sleep(0.05)
+    assert entry is not None
+    assert entry["status"] == 200 and entry["model"] == "m1" and entry["key"] == "sdk"
+    assert entry["backend"] == upstream.url.split("://")[1]
+    assert entry["prompt_tokens"] == 1 and entry["completion_tokens"] == 5
+    assert entry["latency_ms"] > 0
+    assert SECRET not in gateway.stdout.read_text() + gateway.stderr.read_text()
+
+
+def test_serve_refuses_bad_config(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: []\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "-c", str(bad)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert f"{bad}: models: must be a non-empty list" in result.stderr
