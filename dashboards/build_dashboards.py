@@ -156,7 +156,8 @@ GATEWAY_PANELS: list[Panel] = [
         [
             (
                 "{{model}}",
-                'sum by (model) (rate(modelyard_requests_total{model=~"$model", code=~"5.."}[$__rate_interval])) / clamp_min(sum by (model) (rate(modelyard_requests_total{model=~"$model"}[$__rate_interval])), 1e-9)',
+                # "or 0 * ...": 0 rather than no data while there is no 5xx series at all.
+                'sum by (model) (rate(modelyard_requests_total{model=~"$model", code=~"5.."}[$__rate_interval]) or 0 * rate(modelyard_requests_total{model=~"$model"}[$__rate_interval])) / clamp_min(sum by (model) (rate(modelyard_requests_total{model=~"$model"}[$__rate_interval])), 1e-9)',
             ),
         ],
     ),

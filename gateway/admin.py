@@ -1,9 +1,11 @@
-"""Admin endpoints (admin key required): backend states, config reload, drain."""
+"""Admin endpoints (admin key required): backend states, config reload, drain, and the scrape
+targets for Prometheus' HTTP service discovery."""
 
 from __future__ import annotations
 
 import json
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -26,6 +28,7 @@ class AdminEndpoints:
         router.add_get("/admin/backends", self.backends)
         router.add_post("/admin/reload", self.reload)
         router.add_post("/admin/drain", self.drain)
+        router.add_get("/admin/prometheus/targets", self.prometheus_targets)
 
     async def backends(self, request: web.Request) -> web.Response:
         models = []
@@ -85,3 +88,47 @@ class AdminEndpoints:
             backend.refresh()
             self.gw.metrics.backend_state(backend)
         return web.json_response({"backends": [b.state() for b in matched]})
+
+    async def prometheus_targets(self, request: web.Request) -> web.Response:
+        """Prometheus ``http_sd_configs``: one target group per running local engine, labelled
+        ``model`` and ``replica``; with ``?external=true`` also every external upstream (label
+        ``replica`` = its host:port), which Prometheus then scrapes at ``<its URL>/metrics``.
+        Engines listen on ports chosen at spawn time and change on restart, so a static list
+        goes stale; Prometheus polls this instead (``refresh_interval``)."""
+        groups: list[dict] = []
+        pool = self.gw.pool
+        if pool is not None:
+            for model, replicas in pool.replicas.items():
+                for index, replica in enumerate(replicas):
+                    if replica.proc is None or replica.proc.returncode is not None:
+                        continue  # not running: between restarts, or stopped
+                    groups.append(
+                        {
+                            "targets": [f"127.0.0.1:{replica.port}"],
+                            "labels": {"model": model, "replica": str(index), "kind": "local"},
+                        }
+                    )
+        if request.query.get("external", "").lower() in ("1", "true", "yes"):
+            for route in self.gw.router.routes.values():
+                for upstream in route.config.upstreams:
+                    groups.append(_external_target(route.config.name, upstream))
+        return web.json_response(groups)
+
+
+def _external_target(model: str, url: str) -> dict:
+    """host:port only: never the user:password@ an upstream URL may carry."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"  # IPv6
+    address = f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+    return {
+        "targets": [address],
+        "labels": {
+            "model": model,
+            "replica": address,
+            "kind": "external",
+            "__scheme__": parts.scheme,
+            "__metrics_path__": parts.path.rstrip("/") + "/metrics",
+        },
+    }

@@ -67,6 +67,8 @@ class Gateway:
         self._config_stamp = _stamp(config_path)
         self.router.apply(config)
         self.limiter.configure(config)
+        for model in config.models:
+            self.metrics.declare_model(model.name)
 
     async def start(self) -> None:
         # Idle upstream connections close after 4 s, before common servers' own 5 s keep-alive
@@ -147,6 +149,8 @@ class Gateway:
         if (old.max_header_bytes, old.max_body_bytes) != (new.max_header_bytes, new.max_body_bytes):
             log.warning("header size limits change after a restart; the body limit applies now")
         removed = self.router.apply(config)
+        for model in config.models:
+            self.metrics.declare_model(model.name)
         self.health.configure(new.health, new.ejection)
         self.health.sync(removed)
         self.limiter.configure(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shlex
 import signal
 import sys
 
@@ -12,6 +13,8 @@ from aiohttp import web
 
 from gateway.app import Gateway, create_app
 from gateway.config import ConfigError, load_config, with_listen
+from gateway.pool import ENGINE_LAUNCHER
+from gateway.server import GatewayRunner
 
 log = logging.getLogger("modelyard.gateway")
 
@@ -47,13 +50,15 @@ def check(path: str) -> int:
     return 0
 
 
-async def _serve(path: str, host: str | None, port: int | None) -> None:
+async def _serve(
+    path: str, host: str | None, port: int | None, engine_launcher: tuple[str, ...]
+) -> None:
     config = with_listen(load_config(path), host, port)
-    gateway = Gateway(config, path)
+    gateway = Gateway(config, path, engine_launcher=engine_launcher)
     app = create_app(gateway)
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream request at once instead of letting the engine generate for nobody.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=30)
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=30)
     await runner.setup()
     site = web.TCPSite(
         runner, config.gateway.host, config.gateway.port, backlog=2048, reuse_address=True
@@ -96,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("-c", "--config", default="models.yaml", help="path to models.yaml")
     serve.add_argument("--host", help="override gateway.listen's host")
     serve.add_argument("--port", type=int, help="override gateway.listen's port")
+    serve.add_argument(
+        "--engine-command",
+        help="command that starts an engine, before its flags (default: this Python's -m engine), "
+        "e.g. 'numactl --cpunodebind=0 python -m engine'",
+    )
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     checker = sub.add_parser("check", help="validate a models.yaml and list every problem")
     checker.add_argument("config", help="path to models.yaml")
@@ -104,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return check(args.config)
     _setup_logging(args.log_level)
     try:
-        _run(_serve(args.config, args.host, args.port))
+        launcher = (
+            tuple(shlex.split(args.engine_command)) if args.engine_command else ENGINE_LAUNCHER
+        )
+        _run(_serve(args.config, args.host, args.port, launcher))
     except ConfigError as exc:
         for problem in exc.problems:
             print(problem, file=sys.stderr)

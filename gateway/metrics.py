@@ -22,6 +22,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gateway.router import Backend
 
 UNKNOWN_MODEL = "_unknown"
+# The fixed label values, exported as zeros up front (see declare_model).
+RETRY_REASONS = ("connect", "connect_timeout", "disconnect", "status_502", "status_503", "ejected")
+TIMEOUT_KINDS = ("connect", "first_byte", "idle", "total")
+RATE_LIMITS = ("key_requests", "key_tokens", "model_requests", "model_tokens", "concurrency")
+RELOAD_RESULTS = ("applied", "rejected")
 _LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -123,6 +128,20 @@ class GatewayMetrics:
         self.config_reloads = Counter(
             "modelyard_config_reloads", "Config reloads by result", ["result"], registry=r
         )
+        for result in RELOAD_RESULTS:
+            self.config_reloads.labels(result)
+
+    def declare_model(self, model: str) -> None:
+        """Exports a model's rare-event counters as zeros before their first event, so that a
+        dashboard's rate() sees the first event, and a quiet series reads 0 rather than
+        "no data" (which looks the same as a broken scrape)."""
+        self.in_flight.labels(model)
+        for reason in RETRY_REASONS:
+            self.retries.labels(model, reason)
+        for kind in TIMEOUT_KINDS:
+            self.timeouts.labels(model, kind)
+        for limit in RATE_LIMITS:
+            self.rate_limited.labels(model, limit)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: the hot path skips prometheus_client's lock."""
@@ -134,6 +153,7 @@ class GatewayMetrics:
 
     def backend_state(self, backend: Backend) -> None:
         labels = (backend.model, backend.label)
+        self.ejections.labels(*labels)  # declared at 0, as in declare_model
         self.backend_up.labels(*labels).set(1 if backend.available else 0)
         self.backend_ejected.labels(*labels).set(1 if backend.ejected else 0)
 

@@ -38,6 +38,29 @@ STABLE_AFTER_S = 60.0  # a replica that ran this long without crashing resets it
 
 ENGINE_LAUNCHER = (sys.executable, "-m", "engine")
 
+# Linux: engines must not outlive a gateway that dies without cleaning up (SIGKILL, OOM killer).
+# A tiny exec wrapper asks the kernel to SIGKILL the child when its parent dies
+# (prctl(PR_SET_PDEATHSIG), kept across exec), then becomes the engine in the same process. A
+# wrapper rather than preexec_fn: that runs between fork and exec in a threaded parent, which is
+# unsafe, and not every event loop supports it. The "parent" is the thread that forked: the event
+# loop's, which lives as long as the gateway. The getppid() check covers a gateway that died
+# before the prctl.
+_PR_SET_PDEATHSIG = 1
+_DIE_WITH_PARENT = f"""\
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the gateway is gone")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def die_with_gateway() -> list[str]:
+    """The prefix that makes a command die with this process (empty where Linux's prctl is not)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid())]
+
 
 def engine_command(
     model: ModelConfig, port: int, launcher: tuple[str, ...] = ENGINE_LAUNCHER
@@ -236,7 +259,9 @@ class EnginePool:
         backoff = BACKOFF_BASE_S
         while not replica.stopping:
             replica.port = free_port()
-            command = engine_command(replica.config, replica.port, self.launcher)
+            command = die_with_gateway() + engine_command(
+                replica.config, replica.port, self.launcher
+            )
             log.info("starting engine for %s on port %d", replica.model, replica.port)
             try:
                 replica.proc = await asyncio.create_subprocess_exec(

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -40,6 +41,11 @@ _SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _RETRY_STATUSES = (502, 503)
+# Answers whose back-off hints reach the client: an upstream that is rate limited or overloaded
+# knows best when to come back.
+_HINT_STATUSES = (429, 503)
+_HINT_HEADERS = ("retry-after", "retry-after-ms")
+_HINT_PREFIX = "x-ratelimit-"
 _DECODER = json.JSONDecoder()
 
 
@@ -67,17 +73,35 @@ class RetryBudget:
         return False
 
 
+def backoff_hints(status: int, headers: Mapping[str, str]) -> dict[str, str]:
+    """The upstream's ``Retry-After``/``retry-after-ms``/``x-ratelimit-*`` of a 429 or 503."""
+    if status not in _HINT_STATUSES:
+        return {}
+    return {
+        name: value
+        for name, value in headers.items()
+        if (lowered := name.lower()) in _HINT_HEADERS or lowered.startswith(_HINT_PREFIX)
+    }
+
+
 class UpstreamFailure(Exception):
     """How an attempt failed, already in the shape the client would get."""
 
     def __init__(
-        self, status: int, body: bytes, reason: str, content_type: str = _JSON, message: str = ""
+        self,
+        status: int,
+        body: bytes,
+        reason: str,
+        content_type: str = _JSON,
+        message: str = "",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message or reason)
         self.status = status
         self.body = body
         self.reason = reason  # bounded: connect, connect_timeout, disconnect, status_502, ...
         self.content_type = content_type
+        self.headers = headers or {}  # the upstream's back-off hints, passed to the client
 
 
 class Retryable(UpstreamFailure):
@@ -141,24 +165,33 @@ class Proxy:
             if ex.stream:
                 resp, first, backend = await self._with_retries(ex, self._open_stream)
                 return await self._pump(request, ex, resp, first, backend)
-            status, body, content_type = await self._with_retries(ex, self._unary)
+            status, body, content_type, hints = await self._with_retries(ex, self._unary)
         except UpstreamFailure as failure:
             ex.status, ex.error = failure.status, failure.reason
             return web.Response(
                 status=failure.status,
                 body=failure.body,
                 content_type=failure.content_type,
-                headers=self._headers(ex),
+                headers=self._headers(ex, failure.headers),
             )
         ex.status = status
         if status == 200:
             body = self._rewrite_model(ex, body)
         return web.Response(
-            status=status, body=body, content_type=content_type, headers=self._headers(ex)
+            status=status, body=body, content_type=content_type, headers=self._headers(ex, hints)
         )
 
-    def _headers(self, ex: Exchange) -> dict[str, str]:
-        return {"x-request-id": ex.request_id, **ex.admission.headers}
+    def _headers(self, ex: Exchange, hints: dict[str, str] | None = None) -> Mapping[str, str]:
+        """The upstream's back-off hints replace the gateway's own rate-limit headers of the same
+        name, whatever their case: the upstream's limit is the one that refused."""
+        headers = {"x-request-id": ex.request_id, **ex.admission.headers}
+        if not hints:
+            return headers
+        replaced = {name.lower() for name in hints}
+        return {
+            **{name: value for name, value in headers.items() if name.lower() not in replaced},
+            **hints,
+        }
 
     # ---- retries ----
 
@@ -201,7 +234,11 @@ class Proxy:
             if ex.last_failure is not None:  # every replica tried: answer with the last failure
                 failure = ex.last_failure
                 raise UpstreamFailure(
-                    failure.status, failure.body, failure.reason, failure.content_type
+                    failure.status,
+                    failure.body,
+                    failure.reason,
+                    failure.content_type,
+                    headers=failure.headers,
                 )
             raise UpstreamFailure(
                 503,
@@ -282,7 +319,9 @@ class Proxy:
                 "disconnect",
             ) from exc
 
-    async def _unary(self, ex: Exchange, backend: Backend) -> tuple[int, bytes, str]:
+    async def _unary(
+        self, ex: Exchange, backend: Backend
+    ) -> tuple[int, bytes, str, dict[str, str]]:
         timeouts = ex.route.config.timeouts
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -321,13 +360,20 @@ class Proxy:
             backend.outstanding -= 1
         status = resp.status
         content_type = resp.content_type or _JSON
-        self._judge(ex, backend, status, body, content_type)
+        hints = backoff_hints(status, resp.headers)
+        self._judge(ex, backend, status, body, content_type, hints)
         if status == 200 and content_type == _JSON:
             self._read_usage(ex, body)
-        return status, body, content_type
+        return status, body, content_type, hints
 
     def _judge(
-        self, ex: Exchange, backend: Backend, status: int, body: bytes, content_type: str
+        self,
+        ex: Exchange,
+        backend: Backend,
+        status: int,
+        body: bytes,
+        content_type: str,
+        hints: dict[str, str],
     ) -> None:
         """Passive health bookkeeping for an answered attempt; raises for retryable answers."""
         if status < 500:
@@ -335,7 +381,7 @@ class Proxy:
             return
         self._failed(ex, backend)
         if status in _RETRY_STATUSES:
-            raise Retryable(status, body, f"status_{status}", content_type)
+            raise Retryable(status, body, f"status_{status}", content_type, headers=hints)
 
     def _failed(self, ex: Exchange, backend: Backend) -> None:
         self.health.record_failure(ex.route, backend)
@@ -401,8 +447,11 @@ class Proxy:
                     body = await resp.read()
                     resp.release()
                     content_type = resp.content_type or _JSON
-                    self._judge(ex, backend, resp.status, body, content_type)
-                    raise UpstreamFailure(resp.status, body, f"status_{resp.status}", content_type)
+                    hints = backoff_hints(resp.status, resp.headers)
+                    self._judge(ex, backend, resp.status, body, content_type, hints)
+                    raise UpstreamFailure(
+                        resp.status, body, f"status_{resp.status}", content_type, headers=hints
+                    )
                 first = await resp.content.readany()
         except TimeoutError as exc:
             if resp is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 from gateway.config import FleetConfig, ModelConfig
 
@@ -46,7 +47,9 @@ class Backend:
         self.model = model
         self.url = url
         self.url_bytes = url.encode()
-        self.label = url.split("://", 1)[-1]  # bounded: one per configured backend
+        # Bounded (one per configured backend) and without any user:password@ of the URL.
+        parts = urlsplit(url)
+        self.label = parts.netloc.rpartition("@")[2] + parts.path
         self.outstanding = 0
         self.healthy = True  # optimistic until the first check, which runs at once
         self.ejected = False

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from gateway.app import Gateway, create_app
 from gateway.config import load_config
+from gateway.server import GatewayRunner
 
 MOCK_SCRIPT = Path(__file__).with_name("mock_upstream.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -173,7 +174,7 @@ async def start_gateway(tmp_path: Path) -> AsyncIterator:
         with _env(env or {}):
             config = load_config(path)
         gateway = Gateway(config, str(path))
-        runner = web.AppRunner(create_app(gateway), handler_cancellation=True, access_log=None)
+        runner = GatewayRunner(create_app(gateway), handler_cancellation=True, access_log=None)
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -7,7 +7,8 @@ Run as its own process so that tests can SIGKILL it:
 Behaviour is chosen per request by a ``mock`` object in the request body, or for every request by
 ``POST /control`` with the same object (``{}`` resets). Keys:
 
-- ``fail``: ``500`` / ``503`` (answer that status with an OpenAI error), ``"hang"`` (never answer),
+- ``fail``: ``429`` / ``500`` / ``503`` (answer that status with an OpenAI error and the headers
+  in ``fail_headers``), ``"hang"`` (never answer),
   ``"die"`` (close the connection without answering), ``"die_mid_stream"`` (send two chunks, then
   close the connection), ``"no_done"`` (end the stream cleanly without ``data: [DONE]``).
 - ``delay_ms``: wait before the response headers; ``chunk_delay_ms``: wait between stream chunks.
@@ -97,14 +98,16 @@ class MockUpstream:
         fail = mock.get("fail")
         if mock.get("delay_ms"):
             await asyncio.sleep(mock["delay_ms"] / 1000)
-        if fail in (500, 503):
+        if fail in (429, 500, 503):
             error = {
                 "message": f"mock failure {fail}",
                 "type": "server_error",
                 "param": None,
                 "code": None,
             }
-            return web.json_response({"error": error}, status=fail)
+            return web.json_response(
+                {"error": error}, status=fail, headers=mock.get("fail_headers")
+            )
         if fail == "hang":
             await asyncio.sleep(3600)
         if fail == "die":
