@@ -1,0 +1,261 @@
+"""Load a causal LM and its tokenizer from a local HF folder or a GGUF file, offline.
+
+GGUF files are parsed and dequantised by transformers, which is slow (tens of seconds to minutes),
+so the first load writes a converted copy (safetensors + config + tokenizer) into a cache keyed by
+the file's sha256; later loads read that copy in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub lookups; local_files_only enforces it too
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+_HASH_CHUNK = 8 * 2**20
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, plus what the engine needs to know about it."""
+
+    model: PreTrainedModel
+    tokenizer: object  # a transformers tokenizer (fast)
+    hf_config: PretrainedConfig
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: set[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int | None
+    vocab_size: int
+    source: str  # the folder transformers actually read (the cache copy for GGUF files)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} requested but CUDA is not available", param="device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name not in _DTYPES:
+        raise ModelLoadError(
+            f"unknown dtype {name!r}: use auto, {', '.join(_DTYPES)}", param="dtype"
+        )
+    return _DTYPES[name]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MODELYARD_CACHE_DIR", Path.home() / ".cache" / "modelyard"))
+
+
+def split_source(model: str, gguf_file: str | None) -> tuple[Path, str | None]:
+    """(folder, gguf file name in it or None); ``model`` may be a folder or a .gguf file."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist", param="model")
+    if path.is_file():
+        if gguf_file is not None or path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"model path {str(path)!r} is a file; expected a model folder or a .gguf file",
+                param="model",
+            )
+        return path.parent, path.name
+    if gguf_file is not None and not (path / gguf_file).is_file():
+        raise ModelLoadError(
+            f"GGUF file {gguf_file!r} not found in {str(path)!r}", param="gguf_file"
+        )
+    return path, gguf_file
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stat_key(path: Path) -> str:
+    """Cheap identity of a file (path, size, mtime) to skip re-hashing it on every start."""
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()
+
+
+def _read_index(index: Path) -> str | None:
+    try:
+        return json.loads(index.read_text())["sha256"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _write_atomic_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """The cached HF-format copy of ``gguf_path``, converting (once) when it is missing."""
+    root = cache_root()
+    index = root / "gguf-index" / f"{_stat_key(gguf_path)}.json"
+    sha = _read_index(index)
+    if sha is not None and (root / "gguf" / sha / "config.json").is_file():
+        return root / "gguf" / sha
+    started = time.monotonic()
+    sha = file_sha256(gguf_path)
+    target = root / "gguf" / sha
+    if not (target / "config.json").is_file():
+        _convert_gguf(gguf_path, target)
+        if file_sha256(gguf_path) != sha:  # the file changed under us: don't keep a mislabeled copy
+            shutil.rmtree(target, ignore_errors=True)
+            raise ModelLoadError(f"GGUF file {str(gguf_path)!r} changed while being converted")
+        log.info("converted %s into %s in %.1fs", gguf_path, target, time.monotonic() - started)
+    _write_atomic_text(index, json.dumps({"sha256": sha, "path": str(gguf_path.resolve())}))
+    return target
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(
+            "loading a GGUF file needs the `gguf` package: pip install 'gguf>=0.17'", param="model"
+        )
+    folder, name = gguf_path.parent, gguf_path.name
+    try:
+        _check_causal_lm(AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, local_files_only=True, dtype=torch.float32
+        )
+    except ModelLoadError:
+        raise
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load GGUF file {str(gguf_path)!r}: {exc}") from exc
+    # The weights are dequantised already; drop the GGUF marker so save_pretrained writes them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: readers see no copy or a complete one
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():  # another process may have won the race
+            raise
+
+
+def _check_causal_lm(hf_config: PretrainedConfig) -> None:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or hf_config.is_encoder_decoder:
+        archs = getattr(hf_config, "architectures", None) or [model_type]
+        raise ModelLoadError(
+            f"unsupported architecture {', '.join(map(str, archs))}: not a decoder-only causal LM "
+            "that transformers can load",
+            param="model",
+        )
+
+
+def _eos_ids(tokenizer: object, model: PreTrainedModel) -> set[int]:
+    ids: set[int] = set()
+    candidates = [
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(model.generation_config, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+    ]
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _text_config(hf_config: PretrainedConfig) -> PretrainedConfig:
+    get = getattr(hf_config, "get_text_config", None)
+    return get() if callable(get) else hf_config
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load the model named by ``config`` onto its device, in eval mode."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    folder, gguf_name = split_source(config.model, config.gguf_file)
+    try:
+        source = converted_gguf_dir(folder / gguf_name) if gguf_name else folder
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot cache the converted GGUF under {str(cache_root())!r} ({exc}); "
+            "set MODELYARD_CACHE_DIR to a writable folder"
+        ) from exc
+    if not (source / "config.json").is_file():
+        raise ModelLoadError(
+            f"{str(source)!r} is not a model folder (no config.json) and no GGUF file was given",
+            param="model",
+        )
+    try:
+        hf_config = AutoConfig.from_pretrained(source, local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {str(source)!r}: {exc}") from exc
+    _check_causal_lm(hf_config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, local_files_only=True, dtype=dtype, config=hf_config
+        )
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load the model in {str(source)!r}: {exc}") from exc
+    model.to(device).eval().requires_grad_(False)
+    text = _text_config(model.config)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        hf_config=model.config,
+        device=device,
+        dtype=dtype,
+        eos_token_ids=_eos_ids(tokenizer, model),
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        head_dim=head_dim,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None),
+        vocab_size=text.vocab_size,
+        source=str(source),
+    )

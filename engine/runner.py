@@ -1,0 +1,258 @@
+"""Model runner: runs one scheduled step of a transformers model over the paged KV cache.
+
+The model keeps its own modules; only attention is ours. It is registered through transformers'
+AttentionInterface and selected by name, so every attention layer calls `_paged_attention_forward`
+with its own module (layer index, scaling, sliding window). The forward runs with use_cache=False on
+one flattened row holding every scheduled token of every sequence; the step's metadata and the KV
+pools reach the attention function through a keyword argument that transformers passes down.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from engine.linear import prepack_linears, prepack_supported
+from engine.loader import LoadedModel
+from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "modelyard_paged"
+CONTEXT_KWARG = "modelyard_step"
+
+
+@dataclass
+class StepContext:
+    """What every attention call of one forward needs."""
+
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    time_attention: bool = False
+    attention_s: float = 0.0
+    layers_called: set[int] = field(default_factory=set)
+
+
+def _paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry: [1, H, T, D] in, [1, T, Hq, D] out."""
+    ctx = kwargs.get(CONTEXT_KWARG)
+    if not isinstance(ctx, StepContext):
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention called without {CONTEXT_KWARG}=")
+    layer = module.layer_idx
+    k_cache, v_cache = ctx.kv_caches[layer]
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None)
+    if softcap is None:
+        softcap = getattr(module.config, "attn_logit_softcapping", None)
+    started = time.perf_counter() if ctx.time_attention else 0.0
+    out = paged_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        k_cache,
+        v_cache,
+        ctx.meta,
+        scale=module.scaling if scaling is None else scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+    if ctx.time_attention:
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        ctx.attention_s += time.perf_counter() - started
+    ctx.layers_called.add(layer)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention_forward)
+
+
+@dataclass
+class StepBatch:
+    """Host-side layout of one step."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # flattened-batch rows whose logits are returned, in batch order
+
+
+def build_batch(out: SchedulerOutput) -> StepBatch:
+    """Flatten the scheduled chunks of every sequence into one row (before progress advances)."""
+    batch = StepBatch([], [], [], [], [], [])
+    for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
+        start = seq.num_computed_tokens
+        end = start + num_new
+        batch.input_ids.extend(seq.token_ids[start:end])
+        batch.positions.extend(range(start, end))
+        batch.query_lens.append(num_new)
+        batch.seq_lens.append(end)
+        batch.block_tables.append(seq.block_table)
+        if end == seq.num_tokens:
+            batch.sample_rows.append(len(batch.input_ids) - 1)
+    return batch
+
+
+class ModelRunner:
+    """Owns the model, its (prepacked) linears and the KV pools; runs one step at a time."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.block_size = config.block_size
+        self.time_attention = False  # benchmarks turn this on for the step breakdown
+        self.last_attention_s = 0.0
+        if self.device.type == "cpu":
+            threads = config.num_threads or len(os.sched_getaffinity(0))
+            torch.set_num_threads(max(1, threads))
+        self.model.config._attn_implementation = ATTN_IMPLEMENTATION
+        for sub in self.model.modules():  # sub-models (text decoders) carry their own config
+            sub_config = getattr(sub, "config", None)
+            if sub_config is not None and hasattr(sub_config, "_attn_implementation"):
+                sub_config._attn_implementation = ATTN_IMPLEMENTATION
+        self.num_prepacked = 0
+        if prepack_supported(self.device, loaded.dtype):
+            self.num_prepacked = prepack_linears(self.model, batch_size_hint=config.max_num_seqs)
+        self._base_model = self.model.base_model
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.spec = KVCacheSpec(
+            num_layers=loaded.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=loaded.num_kv_heads,
+            head_dim=loaded.head_dim,
+            dtype=loaded.dtype,
+        )
+        budget = self._kv_budget_bytes(max_model_len)
+        self.num_blocks = num_blocks_for_budget(self.spec, budget, max_model_len)
+        self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
+
+    # ----------------------------------------------------------------- sizing and probing
+    def _kv_budget_bytes(self, max_model_len: int) -> int:
+        """CPU: the configured bytes. CUDA: the card's share minus weights and activation peak."""
+        if self.device.type != "cuda":
+            self._probe(num_tokens=8, max_model_len=max_model_len)
+            return self.config.kv_cache_memory
+        device = self.device
+        torch.cuda.set_per_process_memory_fraction(self.config.gpu_memory_fraction, device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        weights = torch.cuda.memory_allocated(device)
+        probe_cache_bytes = self._probe(self.config.max_num_batched_tokens, max_model_len)
+        torch.cuda.synchronize(device)
+        activations = torch.cuda.max_memory_allocated(device) - weights - probe_cache_bytes
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(self.config.gpu_memory_fraction * total) - weights - activations
+        log.info(
+            "CUDA memory: %.0f MiB allowed, weights %.0f MiB, activation peak %.0f MiB, "
+            "KV budget %.0f MiB",
+            self.config.gpu_memory_fraction * total / 2**20,
+            weights / 2**20,
+            activations / 2**20,
+            budget / 2**20,
+        )
+        return budget
+
+    def _probe(self, num_tokens: int, max_model_len: int) -> int:
+        """Run a dummy forward of ``num_tokens`` prompt tokens over a throwaway cache.
+
+        Checks that every layer's attention goes through our function (a model that bypasses the
+        attention interface cannot be served) and, on CUDA, sets the activation peak.
+        Returns the bytes of the throwaway cache.
+        """
+        seq_len = max(1, min(num_tokens, max_model_len))
+        num_seqs = -(-num_tokens // seq_len)
+        query_lens = [seq_len] * num_seqs
+        blocks_per_seq = self.spec.blocks_for_tokens(seq_len)
+        caches = allocate_kv_cache(self.spec, num_seqs * blocks_per_seq, self.device)
+        tables = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)
+        ]
+        batch = StepBatch(
+            input_ids=[0] * sum(query_lens),
+            positions=[p for q in query_lens for p in range(q)],
+            query_lens=query_lens,
+            seq_lens=query_lens,
+            block_tables=tables,
+            sample_rows=list(range(seq_len - 1, sum(query_lens), seq_len)),
+        )
+        ctx = self._context(batch, caches)
+        self._forward(batch, ctx)
+        if len(ctx.layers_called) != self.spec.num_layers:
+            raise ModelLoadError(
+                f"unsupported architecture {type(self.model).__name__}: "
+                f"{len(ctx.layers_called)} of {self.spec.num_layers} layers route attention "
+                "through transformers' attention interface"
+            )
+        return sum(k.numel() * k.element_size() * 2 for k, _ in caches)
+
+    # ------------------------------------------------------------------------ one step
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the step; fp32 logits [R, vocab] for the sequences that reach their last token."""
+        if out.copy_ops:
+            self._copy_blocks(out.copy_ops)
+        batch = build_batch(out)
+        ctx = self._context(batch, self.kv_caches)
+        logits = self._forward(batch, ctx)
+        self.last_attention_s = ctx.attention_s
+        return logits
+
+    def _context(
+        self, batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> StepContext:
+        meta = AttentionMetadata.from_lists(
+            batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, self.device
+        )
+        return StepContext(meta=meta, kv_caches=kv_caches, time_attention=self.time_attention)
+
+    @torch.no_grad()  # not inference_mode: fused projections check tensors' version counters
+    def _forward(self, batch: StepBatch, ctx: StepContext) -> torch.Tensor:
+        input_ids = torch.tensor([batch.input_ids], dtype=torch.long).to(self.device)
+        positions = torch.tensor([batch.positions], dtype=torch.long).to(self.device)
+        kwargs = {
+            "input_ids": input_ids,
+            "position_ids": positions,
+            "use_cache": False,
+            CONTEXT_KWARG: ctx,
+        }
+        if not batch.sample_rows:
+            self._base_model(**kwargs)  # fills the KV cache; no token to sample yet
+            return torch.empty(0, self.loaded.vocab_size, device=self.device)
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        if self._keeps_logits:
+            # The model's own head (with any final soft-capping or scaling) on the needed rows only.
+            logits = self.model(**kwargs, logits_to_keep=rows).logits[0]
+        else:
+            logits = self.model(**kwargs).logits[0].index_select(0, rows)
+        return logits.float()
+
+    def _copy_blocks(self, copy_ops: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copy_ops], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copy_ops], dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
