@@ -1,0 +1,339 @@
+"""Bridge between the synchronous EngineCore and the asyncio server.
+
+The core (model load, then step() forever) runs in one dedicated thread so the event loop never
+waits on the model: /health and /metrics answer while the model is saturated. Requests and aborts
+travel to that thread through a command deque; outputs come back once per step through
+``loop.call_soon_threadsafe`` into one asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.errors import EngineError
+from engine.metrics import EngineMetrics
+from engine.sampling_params import SamplingParams
+from engine.sequence import RequestOutput
+
+log = logging.getLogger("engine.async")
+
+IDLE_WAIT_S = 0.5  # how long the idle loop sleeps between liveness ticks when nothing arrives
+
+
+class CoreLike(Protocol):
+    """The part of engine.core.EngineCore this bridge uses."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> Any: ...
+
+
+class ServiceUnavailableError(EngineError):
+    """The engine cannot take this request now (loading, overloaded, shutting down, dead)."""
+
+    status = 503
+    error_type = "service_unavailable_error"
+
+
+class EngineDeadError(EngineError):
+    """The engine loop crashed while this request was in flight."""
+
+    status = 500
+    error_type = "internal_error"
+
+
+_ADMITTED = object()  # first item of a request's queue once the core accepted it
+
+
+@dataclass
+class _Request:
+    request_id: str
+    queue: asyncio.Queue
+    arrival: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished: bool = False
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+
+class AsyncEngine:
+    """Owns the engine thread; the server talks to the core only through this class."""
+
+    def __init__(
+        self,
+        core_factory: Callable[[], CoreLike],
+        model_name: str,
+        max_queue: int,
+    ) -> None:
+        self._core_factory = core_factory
+        self._max_queue = max_queue
+        self._commands: collections.deque[tuple] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loaded: asyncio.Future | None = None
+        self._requests: dict[str, _Request] = {}
+        self._pending_adds = 0  # adds sent to the thread and not yet handed to the core
+        self._stats: Any = None  # latest core.stats(), replaced (never mutated) by the thread
+        self.core: CoreLike | None = None
+        self.tokenizer: Any = None  # the server's own copy: HF tokenizers are not thread-safe
+        self.max_model_len = 0
+        self.dead: BaseException | None = None
+        self.accepting = True
+        self.metrics = EngineMetrics(model_name, lambda: self._stats, lambda: self._pending_adds)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; it loads the model, then runs the step loop."""
+        self._loop = asyncio.get_running_loop()
+        self._loaded = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def wait_loaded(self) -> None:
+        """Return once the model is loaded; re-raise the load error if loading failed."""
+        assert self._loaded is not None, "start() first"
+        await asyncio.shield(self._loaded)
+
+    @property
+    def is_ready(self) -> bool:
+        alive = self._thread is not None and self._thread.is_alive()
+        return self.core is not None and alive and self.dead is None and self.accepting
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and (self._thread is None or self._thread.is_alive())
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        waiting = self._stats.num_waiting if self._stats is not None else 0
+        return waiting + self._pending_adds
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests and wait up to ``timeout`` s for those in flight to finish; then
+        end the rest with a 503 (streams get it in-band) and abort them in the core."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        failure = ServiceUnavailableError(
+            "server shut down before the request finished", code="shutting_down"
+        )
+        now = time.monotonic()
+        for request_id, request in list(self._requests.items()):
+            if not request.finished:
+                request.finished = True
+                self._send(("abort", request_id))
+                self.metrics.observe_finished("abort", now - request.arrival)
+            request.queue.put_nowait(failure)
+
+    async def shutdown(self) -> None:
+        """Abort what is still running and stop the thread."""
+        for request_id in list(self._requests):
+            self._send(("abort", request_id))
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def check_loaded(self) -> None:
+        """Raise a 503 unless the model (and its tokenizer) is loaded and the loop alive."""
+        if self.dead is not None:
+            raise ServiceUnavailableError("engine loop is not running", code="engine_dead")
+        if self.core is None:
+            raise ServiceUnavailableError("model is still loading", code="not_ready")
+
+    def check_accepting(self) -> None:
+        """Raise a 503 when a new generation cannot be taken now (before any parsing work)."""
+        self.check_loaded()
+        if not self.accepting:
+            raise ServiceUnavailableError("server is shutting down", code="shutting_down")
+        if self.num_waiting >= self._max_queue:
+            raise ServiceUnavailableError(
+                f"server overloaded: {self.num_waiting} requests already waiting "
+                f"(max queue {self._max_queue}); retry later",
+                code="overloaded",
+            )
+
+    @asynccontextmanager
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
+        """Submit a request; on entry it is admitted (admission errors raise here), the yielded
+        iterator gives its RequestOutput deltas, and leaving early (client gone) aborts it."""
+        self.check_accepting()
+        request = _Request(request_id, asyncio.Queue(), time.monotonic())
+        self._requests[request_id] = request
+        self._pending_adds += 1
+        self._send(("add", request_id, prompt_token_ids, params, request.arrival))
+        try:
+            first = await request.queue.get()
+            if isinstance(first, BaseException):
+                raise first
+            assert first is _ADMITTED
+            yield self._outputs(request)
+        finally:
+            self._requests.pop(request_id, None)
+            if not request.finished:
+                self._send(("abort", request_id))
+                self.metrics.observe_finished("abort", time.monotonic() - request.arrival)
+
+    async def _outputs(self, request: _Request) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await request.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    def _send(self, command: tuple) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    # ---- event-loop side of the thread's results -----------------------------------------
+
+    def _on_loaded(self, error: BaseException | None) -> None:
+        assert self._loaded is not None
+        if self._loaded.done():
+            return
+        if error is None:
+            self._loaded.set_result(None)
+        else:
+            self._loaded.set_exception(error)
+
+    def _on_admission(self, request_id: str, error: BaseException | None) -> None:
+        self._pending_adds -= 1
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if error is not None:
+            request.finished = True  # never entered the core: nothing to abort
+        request.queue.put_nowait(error if error is not None else _ADMITTED)
+
+    def _on_outputs(self, outputs: list[RequestOutput], step_end: float) -> None:
+        for out in outputs:
+            request = self._requests.get(out.request_id)
+            if request is None:  # client already gone; its abort is on the way
+                continue
+            self._observe(request, out, step_end)
+            if out.finished:
+                request.finished = True
+            request.queue.put_nowait(out)
+
+    def _observe(self, request: _Request, out: RequestOutput, now: float) -> None:
+        if out.queue_time_s is not None:
+            self.metrics.observe_queue_time(out.queue_time_s)
+        if any(c.token_ids for c in out.outputs):
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.metrics.observe_first_token(now - request.arrival)
+            else:
+                self.metrics.observe_inter_token(now - (request.last_token_time or now))
+            request.last_token_time = now
+        for choice in out.outputs:
+            if choice.finish_reason is not None:
+                request.finish_reasons[choice.index] = choice.finish_reason
+        if out.finished:
+            reason = request.finish_reasons.get(0) or next(iter(request.finish_reasons.values()))
+            self.metrics.observe_finished(reason, now - request.arrival)
+
+    def _on_dead(self, error: BaseException) -> None:
+        self.dead = error
+        failure = EngineDeadError(f"engine loop failed: {type(error).__name__}: {error}")
+        for request in self._requests.values():
+            request.finished = True
+            request.queue.put_nowait(failure)
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            core = self._core_factory()
+            self.tokenizer = copy.deepcopy(core.tokenizer)
+            self.max_model_len = core.max_model_len
+            self._stats = core.stats()
+        except BaseException as error:  # report any load failure to the waiting main task
+            self.dead = error
+            loop.call_soon_threadsafe(self._on_loaded, error)
+            return
+        self.core = core
+        loop.call_soon_threadsafe(self._on_loaded, None)
+        try:
+            self._step_loop(core, loop)
+        except BaseException as error:
+            log.exception("engine loop crashed")
+            loop.call_soon_threadsafe(self._on_dead, error)
+
+    def _step_loop(self, core: CoreLike, loop: asyncio.AbstractEventLoop) -> None:
+        live: set[str] = set()  # requests inside the core (aborting others is a no-op)
+        while not self._stop:
+            self._wake.clear()
+            self._apply_commands(core, loop, live)
+            if not core.has_unfinished():
+                self._stats = core.stats()
+                self._wake.wait(IDLE_WAIT_S)
+                continue
+            outputs = core.step()
+            step_end = time.monotonic()
+            for out in outputs:
+                if out.finished:
+                    live.discard(out.request_id)
+            self._stats = core.stats()
+            if outputs:
+                loop.call_soon_threadsafe(self._on_outputs, outputs, step_end)
+
+    def _apply_commands(
+        self, core: CoreLike, loop: asyncio.AbstractEventLoop, live: set[str]
+    ) -> None:
+        admitted: list[tuple[str, EngineError | None]] = []
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "add":
+                _, request_id, prompt_ids, params, arrival = command
+                try:
+                    core.add_request(request_id, prompt_ids, params, arrival_time=arrival)
+                except EngineError as error:
+                    admitted.append((request_id, error))
+                    continue
+                live.add(request_id)
+                admitted.append((request_id, None))
+            elif command[1] in live:
+                core.abort(command[1])
+                live.discard(command[1])
+        if admitted:
+            # Publish the core's new waiting count before the event loop stops counting these
+            # requests as pending, so load shedding always counts them in one of the two.
+            self._stats = core.stats()
+            for request_id, error in admitted:
+                loop.call_soon_threadsafe(self._on_admission, request_id, error)

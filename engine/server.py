@@ -1,0 +1,376 @@
+"""The engine's OpenAI-compatible HTTP API (aiohttp): one process, one model, several names."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvloop
+from aiohttp import web
+
+from engine import protocol
+from engine.async_engine import AsyncEngine
+from engine.cli import ServerOptions
+from engine.config import EngineConfig
+from engine.errors import EngineError, InvalidRequestError
+from engine.metrics import CONTENT_TYPE
+
+log = logging.getLogger("engine.server")
+
+ENGINE_KEY = web.AppKey("engine", AsyncEngine)
+SETTINGS_KEY = web.AppKey("settings", "ServerSettings")
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    max_body_bytes: int = 4 * 2**20
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_response(
+    status: int,
+    message: str,
+    error_type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+) -> web.Response:
+    body = protocol.error_body(
+        message, error_type or _STATUS_TYPES.get(status, "error"), param, code
+    )
+    return web.json_response(body, status=status)
+
+
+class ModelNotFoundError(EngineError):
+    status = 404
+    error_type = "invalid_request_error"
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI error object, whatever raised it."""
+    try:
+        return await handler(request)
+    except EngineError as error:
+        return error_response(
+            error.status, error.message, error.error_type, error.param, error.code
+        )
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SETTINGS_KEY].max_body_bytes
+        return error_response(
+            413, f"request body too large (limit {limit} bytes)", code="request_too_large"
+        )
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        return error_response(error.status, f"{error.reason}: {request.method} {request.path}")
+    except Exception:  # a bug, not bad input: still answer in OpenAI's shape, and log it
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal server error", code="internal_error")
+
+
+def _engine(request: web.Request) -> AsyncEngine:
+    return request.app[ENGINE_KEY]
+
+
+async def _read_json(request: web.Request) -> Any:
+    limit = request.app[SETTINGS_KEY].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidRequestError(f"malformed JSON body: {error}") from error
+
+
+def _served_name(request: web.Request, body: Any) -> str:
+    """The requested model name (default: the first served name); 404 for any other."""
+    names = request.app[SETTINGS_KEY].served_model_names
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is None:
+        return names[0]
+    if model not in names:
+        raise ModelNotFoundError(
+            f"The model '{model}' does not exist.", param="model", code="model_not_found"
+        )
+    return model
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+# ---- generation ----------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, protocol.parse_chat_request)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, protocol.parse_completion_request)
+
+
+async def _generate(request: web.Request, parse: Any) -> web.StreamResponse:
+    engine = _engine(request)
+    body = await _read_json(request)
+    model = _served_name(request, body)
+    engine.check_accepting()
+    parsed: protocol.GenerationRequest = parse(body, engine.tokenizer, engine.max_model_len)
+    request_id = protocol.new_request_id(parsed.kind)
+    builder = protocol.ResponseBuilder(parsed, request_id, model, engine.tokenizer)
+    # Leaving the context early (client disconnect cancels this handler) aborts the request.
+    async with engine.generate(request_id, parsed.prompt_token_ids, parsed.params) as outputs:
+        if not parsed.stream:
+            async for out in outputs:
+                builder.add(out)
+            return web.json_response(builder.response(), dumps=_dumps)
+        return await _stream(request, builder, outputs)
+
+
+async def _stream(
+    request: web.Request, builder: protocol.ResponseBuilder, outputs: Any
+) -> web.StreamResponse:
+    """Server-sent events: OpenAI chunks as they come, the usage chunk if asked, then [DONE]."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    try:
+        for chunk in builder.first_chunks():
+            await response.write(_sse(chunk))
+        try:
+            async for out in outputs:
+                data = b"".join(_sse(chunk) for chunk in builder.chunks(out))
+                if data:
+                    await response.write(data)
+        except EngineError as error:  # headers are out: report in-band, like OpenAI does
+            body = protocol.error_body(error.message, error.error_type, error.param, error.code)
+            await response.write(_sse(body))
+        if builder.request.include_usage:
+            await response.write(_sse(builder.usage_chunk()))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        # The client went away mid-stream; leaving generate() unfinished aborts the request.
+        log.debug("client disconnected from %s", builder.request_id)
+    return response
+
+
+def _dumps(payload: Any) -> str:
+    return json.dumps(payload, ensure_ascii=False)
+
+
+# ---- small endpoints -----------------------------------------------------------------------
+
+
+async def list_models(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS_KEY]
+    engine = _engine(request)
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": settings.created,
+            "owned_by": "modelyard",
+            "root": settings.served_model_names[0],
+            "max_model_len": engine.max_model_len or None,
+        }
+        for name in settings.served_model_names
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    if not _engine(request).is_alive:
+        return error_response(503, "engine loop is not running", code="engine_dead")
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    if engine.is_ready:
+        return web.json_response({"status": "ready"})
+    if not engine.is_alive:
+        reason, code = "engine loop is not running", "engine_dead"
+    elif engine.core is None:
+        reason, code = "model is still loading", "not_ready"
+    else:
+        reason, code = "server is shutting down", "shutting_down"
+    return error_response(503, reason, code=code)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(
+        body=_engine(request).metrics.render(), headers={"Content-Type": CONTENT_TYPE}
+    )
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    body = await _read_json(request)
+    _served_name(request, body)
+    engine.check_loaded()
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    if "messages" in body:
+        add_generation_prompt = protocol.get_field(body, "add_generation_prompt", "bool", True)
+        messages = protocol.parse_messages(body)
+        tokens = protocol.apply_chat_template(engine.tokenizer, messages, add_generation_prompt)
+    else:
+        prompt = protocol.get_field(body, "prompt", "str")
+        if prompt is None:
+            raise InvalidRequestError("'prompt' (a string) or 'messages' is required", "prompt")
+        special = protocol.get_field(body, "add_special_tokens", "bool", True)
+        tokens = list(engine.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+    return web.json_response(
+        {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    body = await _read_json(request)
+    _served_name(request, body)
+    engine.check_loaded()
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    tokens = protocol.get_int_list(body, "tokens")
+    vocab = len(engine.tokenizer)
+    bad = [t for t in tokens if t >= vocab]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]} is out of vocabulary (size {vocab})", "tokens"
+        )
+    return web.json_response({"prompt": engine.tokenizer.decode(tokens)}, dumps=_dumps)
+
+
+# ---- app -----------------------------------------------------------------------------------
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
+    """The aiohttp app; the caller starts ``engine`` (see engine.__main__) and owns its lifetime."""
+    # aiohttp enforces client_max_size while reading; _read_json turns it into a 413 error body.
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+    app[ENGINE_KEY] = engine
+    app[SETTINGS_KEY] = settings
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+
+    async def stop_accepting(_: web.Application) -> None:
+        engine.accepting = False  # draining: in-flight requests finish, new ones get a 503
+
+    async def stop_engine(_: web.Application) -> None:
+        await engine.shutdown()
+
+    app.on_shutdown.append(stop_accepting)
+    app.on_cleanup.append(stop_engine)
+    return app
+
+
+# ---- process entry point -------------------------------------------------------------------
+
+
+def serve(config: EngineConfig, options: ServerOptions) -> int:
+    """Run the server until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if loading failed."""
+    logging.basicConfig(
+        level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return uvloop.run(_serve(config, options))
+
+
+async def _serve(config: EngineConfig, options: ServerOptions) -> int:
+    from engine.core import EngineCore  # imports torch: only in the serving process
+
+    engine = AsyncEngine(
+        lambda: EngineCore(config), config.served_model_names[0], max_queue=config.max_queue
+    )
+    app = create_app(engine, ServerSettings(config.served_model_names, options.max_body_bytes))
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client disconnect cancels its handler, which aborts
+        shutdown_timeout=5.0,  # for handlers still writing after engine.drain() ended them
+        access_log=logging.getLogger("aiohttp.access") if options.log_level == "debug" else None,
+    )
+    await runner.setup()
+    await web.TCPSite(runner, options.host, options.port).start()
+    host, port = runner.addresses[0][:2]
+    log.info(
+        "listening on http://%s:%d (served names: %s)",
+        host,
+        port,
+        ", ".join(config.served_model_names),
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    log.info("loading model %s", config.model)
+    started = time.monotonic()
+    engine.start()
+    loaded = asyncio.ensure_future(engine.wait_loaded())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if loaded.done() and loaded.exception() is not None:
+        error = loaded.exception()
+        log.error("model load failed: %s: %s", type(error).__name__, error)
+        stop.set()
+        code = 1
+    elif loaded.done():
+        _log_loaded(engine, time.monotonic() - started)
+        log.info("ready")
+    await stopping
+    loaded.cancel()
+    log.info(
+        "shutting down: %d requests in flight get up to %.0f s to finish",
+        engine.num_in_flight,
+        options.shutdown_timeout,
+    )
+    for site in list(runner.sites):  # stop listening; open connections carry on
+        await site.stop()
+    await engine.drain(options.shutdown_timeout)
+    await runner.cleanup()
+    log.info("stopped")
+    return code
+
+
+def _log_loaded(engine: AsyncEngine, seconds: float) -> None:
+    stats = engine.core.stats() if engine.core is not None else None
+    if stats is None:
+        return
+    tokens = stats.num_blocks * stats.block_size
+    log.info(
+        "model loaded in %.1f s: KV cache %d blocks x %d tokens = %d tokens, max concurrency "
+        "at max_model_len %d: %.1f",
+        seconds,
+        stats.num_blocks,
+        stats.block_size,
+        tokens,
+        engine.max_model_len,
+        tokens / max(engine.max_model_len, 1),
+    )
