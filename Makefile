@@ -38,8 +38,11 @@ test: $(STAMP) $(MODEL) prometheus
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP) $(MODEL)
+	@mkdir -p bench-results
 	$(PY) scripts/bench_engine.py --out bench-results/engine.json
-	$(PY) scripts/bench_serving.py --start-engine $(MODEL) --out bench-results/serving.json
+	$(PY) scripts/bench_serving.py --serve "--model $(MODEL) --served-model-name smollm2 \
+		--max-num-seqs 32 --kv-cache-memory 1GiB" --concurrency 1,4,16,32 --output-len 128 \
+		--offline --baseline-hf --out bench-results/serving.json
 	$(PY) scripts/bench_gateway.py --out bench-results/gateway.json
 
 lint: $(STAMP)
