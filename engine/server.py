@@ -222,13 +222,20 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
-async def tokenize(request: web.Request) -> web.Response:
+async def _tokenizer_body(request: web.Request) -> tuple[AsyncEngine, dict[str, Any]]:
+    """Engine and body of a /tokenize or /detokenize call, checked in order: valid JSON, a served
+    model name, the model loaded, a JSON object."""
     engine = _engine(request)
     body = await _read_json(request)
     _served_name(request, body)
     engine.check_loaded()
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
+    return engine, body
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    engine, body = await _tokenizer_body(request)
     if "messages" in body:
         add_generation_prompt = protocol.get_field(body, "add_generation_prompt", "bool", True)
         messages = protocol.parse_messages(body)
@@ -245,12 +252,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    engine = _engine(request)
-    body = await _read_json(request)
-    _served_name(request, body)
-    engine.check_loaded()
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object")
+    engine, body = await _tokenizer_body(request)
     tokens = protocol.get_int_list(body, "tokens")
     vocab = len(engine.tokenizer)
     bad = [t for t in tokens if t >= vocab]

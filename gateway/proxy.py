@@ -296,28 +296,25 @@ class Proxy:
             )
         except aiohttp.ConnectionTimeoutError as exc:
             self.metrics.timeouts.labels(ex.route.name, "connect").inc()
-            self._failed(ex, backend)
-            raise Retryable(
-                504,
-                error_body(
-                    504, "Timed out connecting to the upstream.", "upstream_connect_timeout"
-                ),
+            raise self._retryable(
+                ex,
+                backend,
+                "Timed out connecting to the upstream.",
+                "upstream_connect_timeout",
                 "connect_timeout",
+                504,
             ) from exc
         except aiohttp.ClientConnectorError as exc:
-            self._failed(ex, backend)
-            raise Retryable(
-                502,
-                error_body(502, "Could not connect to the upstream.", "upstream_connect_error"),
+            raise self._retryable(
+                ex,
+                backend,
+                "Could not connect to the upstream.",
+                "upstream_connect_error",
                 "connect",
+                502,
             ) from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            self._failed(ex, backend)
-            raise Retryable(
-                502,
-                error_body(502, "The upstream closed the connection.", "upstream_disconnected"),
-                "disconnect",
-            ) from exc
+            raise self._retryable(ex, backend, "The upstream closed the connection.") from exc
 
     async def _unary(
         self, ex: Exchange, backend: Backend
@@ -340,15 +337,8 @@ class Proxy:
                     body = await resp.read()
                 except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
                     resp.close()
-                    self._failed(ex, backend)
-                    raise Retryable(
-                        502,
-                        error_body(
-                            502,
-                            "The upstream closed the connection mid-response.",
-                            "upstream_disconnected",
-                        ),
-                        "disconnect",
+                    raise self._retryable(
+                        ex, backend, "The upstream closed the connection mid-response."
                     ) from exc
                 finally:
                     resp.release()
@@ -385,6 +375,20 @@ class Proxy:
 
     def _failed(self, ex: Exchange, backend: Backend) -> None:
         self.health.record_failure(ex.route, backend)
+
+    def _retryable(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        message: str,
+        code: str = "upstream_disconnected",
+        reason: str = "disconnect",
+        status: int = 502,
+    ) -> Retryable:
+        """Records a failed attempt; returns the failure to raise, with an OpenAI error body
+        (by default: the upstream dropped the connection)."""
+        self._failed(ex, backend)
+        return Retryable(status, error_body(status, message, code), reason)
 
     def _timed_out(
         self, ex: Exchange, backend: Backend, phase: str, total: bool
@@ -464,15 +468,8 @@ class Proxy:
             if resp is not None:
                 resp.close()
             backend.outstanding -= 1
-            self._failed(ex, backend)
-            raise Retryable(
-                502,
-                error_body(
-                    502,
-                    "The upstream closed the connection before streaming.",
-                    "upstream_disconnected",
-                ),
-                "disconnect",
+            raise self._retryable(
+                ex, backend, "The upstream closed the connection before streaming."
             ) from exc
         except BaseException:
             if resp is not None:
@@ -482,14 +479,7 @@ class Proxy:
         if not first:
             resp.close()
             backend.outstanding -= 1
-            self._failed(ex, backend)
-            raise Retryable(
-                502,
-                error_body(
-                    502, "The upstream ended the stream before any data.", "upstream_disconnected"
-                ),
-                "disconnect",
-            )
+            raise self._retryable(ex, backend, "The upstream ended the stream before any data.")
         self.health.record_success(backend)
         ex.backend = backend.label
         return resp, first, backend

@@ -171,24 +171,7 @@ async def load(
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-    result: dict[str, Any] = {
-        "requests": len(latencies),
-        "errors": errors,
-        "seconds": round(elapsed, 3),
-        "requests_per_s": round(len(latencies) / elapsed, 1),
-    }
-    if latencies:
-        result.update(
-            p50_ms=round(percentile(latencies, 0.5) * 1000, 3),
-            p99_ms=round(percentile(latencies, 0.99) * 1000, 3),
-            mean_ms=round(statistics.fmean(latencies) * 1000, 3),
-        )
-    if first_chunks:
-        result.update(
-            first_chunk_p50_ms=round(percentile(first_chunks, 0.5) * 1000, 3),
-            first_chunk_p99_ms=round(percentile(first_chunks, 0.99) * 1000, 3),
-        )
-    return result
+    return _summary(latencies, first_chunks, errors, elapsed)
 
 
 async def measure(

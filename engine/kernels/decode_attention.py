@@ -18,10 +18,12 @@ import triton.language as tl
 
 from engine.kernels.common import (
     INTERPRETED,
-    check_last_dim_contiguous,
+    check_attention_inputs,
     dot_precision,
+    load_kv_tile,
+    online_softmax_update,
     padded_dim,
-    scaled_scores,
+    tile_scores,
 )
 
 if TYPE_CHECKING:
@@ -92,21 +94,13 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + n
         valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
-        kv_off += kv_head * stride_cache_head
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-        scores = scaled_scores(scores, scale, softcap, USE_SOFTCAP)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, d, d_mask,
+            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE,
+        )  # fmt: skip
+        scores = tile_scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     if SPLIT:  # unnormalised partials, [B, Hq, splits] (+ [D]); the merge kernel finishes them
         part = (seq * tl.num_programs(1) * Q_PER_KV + heads) * num_splits + split
@@ -185,9 +179,7 @@ def decode_attention(
     """
     num_seqs, q_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    check_last_dim_contiguous(query)
-    if k_cache.stride() != v_cache.stride() or not k_cache.is_contiguous():
-        raise ValueError("K and V cache pools must be contiguous and of the same layout")
+    check_attention_inputs(query, k_cache, v_cache)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
     q_per_kv = q_heads // kv_heads
     d_pad = padded_dim(head_dim)

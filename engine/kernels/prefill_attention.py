@@ -16,10 +16,12 @@ import triton.language as tl
 
 from engine.kernels.common import (
     INTERPRETED,
-    check_last_dim_contiguous,
+    check_attention_inputs,
     dot_precision,
+    load_kv_tile,
+    online_softmax_update,
     padded_dim,
-    scaled_scores,
+    tile_scores,
 )
 
 if TYPE_CHECKING:
@@ -89,24 +91,16 @@ def _prefill_kernel(
     for tile_start in range(lo, hi, BLOCK_N):
         pos = tile_start + n
         valid = pos < hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
-        kv_off += kv_head * stride_cache_head
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-        scores = scaled_scores(scores, scale, softcap, USE_SOFTCAP)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, d, d_mask,
+            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE,
+        )  # fmt: skip
+        scores = tile_scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_off = rows[:, None] * stride_ot + head * stride_oh + d[None, :]
@@ -126,9 +120,7 @@ def prefill_attention(
     num_seqs = meta.seq_lens.shape[0]
     _, q_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    check_last_dim_contiguous(query)
-    if k_cache.stride() != v_cache.stride() or not k_cache.is_contiguous():
-        raise ValueError("K and V cache pools must be contiguous and of the same layout")
+    check_attention_inputs(query, k_cache, v_cache)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
     d_pad = padded_dim(head_dim)
     if INTERPRETED:

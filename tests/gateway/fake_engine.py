@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
-from mock_upstream import MockUpstream  # the script's folder is on sys.path
+from mock_upstream import MockUpstream, serve  # the script's folder is on sys.path
 
 
 def main() -> None:
@@ -37,14 +37,7 @@ def main() -> None:
         return await base_ready(request)
 
     mock.ready = ready  # type: ignore[method-assign]
-    web.run_app(
-        mock.app(),
-        host=args.host,
-        port=args.port,
-        access_log=None,
-        print=None,
-        handler_cancellation=True,
-    )
+    serve(mock, args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -221,6 +221,19 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+def serve(upstream: MockUpstream, host: str, port: int) -> None:
+    """Serves ``upstream`` in the foreground until the process is stopped; no access log, no
+    banner."""
+    web.run_app(
+        upstream.app(),
+        host=host,
+        port=port,
+        access_log=None,
+        print=None,
+        handler_cancellation=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -233,14 +246,7 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(
-        MockUpstream(args.name).app(),
-        host=args.host,
-        port=args.port,
-        access_log=None,
-        print=None,
-        handler_cancellation=True,
-    )
+    serve(MockUpstream(args.name), args.host, args.port)
 
 
 if __name__ == "__main__":
