@@ -281,6 +281,7 @@ async def wait_idle(url: str, kv_baseline: float, timeout: float = 20.0) -> dict
     while True:
         samples = await scrape(url)
         running = samples['vllm:num_requests_running{model_name="tiny"}']
+        running += samples['vllm:num_requests_waiting{model_name="tiny"}']
         usage = samples['vllm:kv_cache_usage_perc{model_name="tiny"}']
         if (running == 0 and usage <= kv_baseline) or time.monotonic() > deadline:
             return samples
@@ -386,7 +387,7 @@ VLLM_METRICS = [
 
 
 async def test_metrics_names_labels_and_counts(engine):
-    before = await scrape(engine.url)
+    before = await wait_idle(engine.url, 1.0)  # earlier tests' aborted requests have drained
     _, body = await post(engine.url + CHAT, chat_body("Hello", max_tokens=5, ignore_eos=True))
     after = await scrape(engine.url)
     names = {key.split("{")[0] for key in after}
