@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_threads import release, threads_for
+
 BACKEND_ENV = "MODELYARD_ATTENTION_BACKEND"  # "triton" | "torch" | unset (auto: triton on CUDA)
 
 # A prefill group's padded (query x key) area may exceed the sum of its sequences' real areas by
@@ -23,6 +25,10 @@ BACKEND_ENV = "MODELYARD_ATTENTION_BACKEND"  # "triton" | "torch" | unset (auto:
 _MAX_PADDING_RATIO = 2.0
 # Score elements (fp32) the soft-capped matmul path materialises at once before it splits queries.
 _MAX_SCORE_ELEMENTS = 1 << 25
+# Inside cpu_threads.split_threads, attention runs multi-threaded from this many query x key
+# multiply-adds (decode at batch 16, context 128 is faster on one thread, batch 64 on two).
+_PARALLEL_MACS = 2e6
+_PARALLEL_GATHER_ELEMENTS = 1e6
 
 
 @dataclass
@@ -246,11 +252,15 @@ def _attend_group(
         q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, q_per_kv * max_q, head_dim)
 
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D] strided views, no copy
+    threads = threads_for(q.numel() * k.shape[2], _PARALLEL_MACS)
+    if threads:
+        torch.set_num_threads(threads)
     if softcap is None:
         bias = _additive_mask(group, mask, sliding_window, q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     else:
         out = _softcapped_attention(q, k, v, mask, scale, softcap)
+    release(threads)
 
     if max_q == 1:
         return out.reshape(num_seqs, q_heads, head_dim).contiguous()
@@ -297,8 +307,12 @@ def _gather_context(
     num_seqs = len(group.seq_lens)
     shape = (num_seqs, block_ids.numel() // num_seqs * block_size, *k_cache.shape[2:])
     k_buf, v_buf = _workspace(k_cache, block_ids.numel())
+    threads = threads_for(k_buf.numel(), _PARALLEL_GATHER_ELEMENTS)
+    if threads:
+        torch.set_num_threads(threads)
     torch.index_select(k_cache, 0, block_ids, out=k_buf)
     torch.index_select(v_cache, 0, block_ids, out=v_buf)
+    release(threads)
     return k_buf.view(shape), v_buf.view(shape)
 
 

@@ -1,14 +1,19 @@
 """Linear layers on the device's fastest path: oneDNN-prepacked weights on CPU.
 
 On CPU, ``F.linear`` re-lays the weight out for oneDNN on every call; reordering it once at load
-(what inductor's weight freezing does) makes the model's GEMMs markedly faster. On CUDA the plain
-``nn.Linear`` already runs cuBLAS, so nothing is replaced there.
+(what inductor's weight freezing does) makes the model's GEMMs markedly faster from a few rows on.
+For a single row (batch-1 decode) a GEMV on a plain copy of the weight measured ~25% faster on
+SmolLM2's shapes, but keeping that copy doubles the linears' memory: we keep only the packed weight,
+since engines share the machine's memory with other models. On CUDA the plain ``nn.Linear``
+already runs cuBLAS, so nothing is replaced there.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engine.cpu_threads import all_threads, release
 
 _PACKABLE_DTYPES = (torch.float32,)  # bf16 oneDNN GEMMs need CPU support we cannot assume
 
@@ -40,9 +45,15 @@ class PrepackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, self.in_features), self.packed_weight, self.bias, "none", [], ""
-        )
+        rows = x.reshape(-1, self.in_features)
+        # Inside cpu_threads.split_threads, every GEMM gets all threads: per-GEMM thresholds that
+        # won in isolated micro-benchmarks (one thread below ~8M multiply-adds) lost ~10% of the
+        # model's GEMM time at batch 1, where weights stream from memory.
+        threads = all_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        release(threads)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -69,22 +80,33 @@ class FusedProjection(nn.Module):
         bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
         self.gemm = PrepackedLinear(weight, bias, batch_size_hint)
         self.widths = [m.out_features for m in linears]
-        self._input: torch.Tensor | None = None
-        self._version: int | None = -1
-        self._outputs: tuple[torch.Tensor, ...] = ()
-        self._unserved: set[int] = set()
+        self._pending = _Pending()
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        state = self._pending
         version = _version(x)
-        if not (x is self._input and version == self._version and index in self._unserved):
-            self._outputs = self.gemm(x).split(self.widths, dim=-1)
-            self._input, self._version = x, version
-            self._unserved = set(range(len(self.widths)))
-        self._unserved.discard(index)
-        out = self._outputs[index]
-        if not self._unserved:  # every projection served: drop the references
-            self._input, self._outputs = None, ()
+        if not (x is state.input and version == state.version and index in state.unserved):
+            state.outputs = self.gemm(x).split(self.widths, dim=-1)
+            state.input, state.version = x, version
+            state.unserved = set(range(len(self.widths)))
+        state.unserved.discard(index)
+        out = state.outputs[index]
+        if not state.unserved:  # every projection served: drop the references
+            state.input, state.outputs = None, ()
         return out
+
+
+class _Pending:
+    """Outputs of the last fused GEMM not yet taken (a plain object: nn.Module attribute writes
+    cost microseconds, paid per projection per layer per step)."""
+
+    __slots__ = ("input", "outputs", "unserved", "version")
+
+    def __init__(self) -> None:
+        self.input: torch.Tensor | None = None
+        self.version: int | None = -1
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.unserved: set[int] = set()
 
 
 def _version(x: torch.Tensor) -> int | None:

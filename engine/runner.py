@@ -9,6 +9,7 @@ pools reach the attention function through a keyword argument that transformers 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -20,7 +21,9 @@ from transformers import AttentionInterface
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import EngineConfig
+from engine.cpu_threads import split_threads
 from engine.errors import ModelLoadError
+from engine.fast_norms import fuse_rms_norms
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from engine.linear import prepack_linears, prepack_supported
 from engine.loader import LoadedModel
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "modelyard_paged"
 CONTEXT_KWARG = "modelyard_step"
+# torch parallelises an elementwise op from this many elements (at::internal::GRAIN_SIZE).
+_ELEMENTWISE_GRAIN = 32768
 
 
 @dataclass
@@ -126,18 +131,21 @@ class ModelRunner:
         self.block_size = config.block_size
         self.time_attention = False  # benchmarks turn this on for the step breakdown
         self.last_attention_s = 0.0
+        self.threads = 0  # CPU: intra-op threads of big ops (small ones run on one, see _forward)
         if self.device.type == "cpu":
-            threads = config.num_threads or len(os.sched_getaffinity(0))
-            torch.set_num_threads(max(1, threads))
+            self.threads = max(1, config.num_threads or len(os.sched_getaffinity(0)))
+            torch.set_num_threads(self.threads)
         self.model.config._attn_implementation = ATTN_IMPLEMENTATION
         for sub in self.model.modules():  # sub-models (text decoders) carry their own config
             sub_config = getattr(sub, "config", None)
             if sub_config is not None and hasattr(sub_config, "_attn_implementation"):
                 sub_config._attn_implementation = ATTN_IMPLEMENTATION
+        self.num_fused_norms = fuse_rms_norms(self.model)
         self.num_prepacked = 0
         if prepack_supported(self.device, loaded.dtype):
             self.num_prepacked = prepack_linears(self.model, batch_size_hint=config.max_num_seqs)
         self._base_model = self.model.base_model
+        self._hidden_size = self.model.get_input_embeddings().embedding_dim
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.spec = KVCacheSpec(
             num_layers=loaded.num_layers,
@@ -229,8 +237,22 @@ class ModelRunner:
         )
         return StepContext(meta=meta, kv_caches=kv_caches, time_attention=self.time_attention)
 
-    @torch.no_grad()  # not inference_mode: fused projections check tensors' version counters
+    def compute_threads(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
+        """The thread policy of a forward over ``num_tokens`` tokens. On CPU, once the model's
+        elementwise ops get big enough for torch to parallelise them (activations of
+        ``_ELEMENTWISE_GRAIN`` elements), they run on one thread and only GEMMs and big attention
+        calls on every thread; below that, switching thread counts per GEMM costs more (~3%)
+        than it saves, so everything keeps every thread."""
+        if self.threads > 1 and num_tokens * self._hidden_size >= _ELEMENTWISE_GRAIN:
+            return split_threads(self.threads)
+        return contextlib.nullcontext()
+
     def _forward(self, batch: StepBatch, ctx: StepContext) -> torch.Tensor:
+        with self.compute_threads(len(batch.input_ids)):
+            return self._forward_body(batch, ctx)
+
+    @torch.no_grad()  # not inference_mode: fused projections check tensors' version counters
+    def _forward_body(self, batch: StepBatch, ctx: StepContext) -> torch.Tensor:
         input_ids = torch.tensor([batch.input_ids], dtype=torch.long).to(self.device)
         positions = torch.tensor([batch.positions], dtype=torch.long).to(self.device)
         kwargs = {

@@ -19,6 +19,7 @@ engine and the baseline alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -122,10 +123,11 @@ def model_linears(core: EngineCore) -> list[nn.Module]:
     return [m for m in core.runner.model.modules() if isinstance(m, kinds)]
 
 
-def linear_pass(modules: list[nn.Module], batch: int, device: torch.device, packed: bool):
+def linear_pass(core: EngineCore, modules: list[nn.Module], batch: int, packed: bool):
     """A callable timing one pass over every linear at ``batch`` rows (one decode step's GEMMs):
-    through the engine's own modules (``packed``), or plain F.linear on unpacked weights of the
-    same shapes."""
+    through the engine's own modules under the engine's thread policy (``packed``), or plain
+    F.linear on unpacked weights of the same shapes on all threads."""
+    device = core.runner.device
     weights = [torch.randn(m.out_features, m.in_features, device=device) for m in modules]
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device) for w in weights}
     calls = [
@@ -135,12 +137,15 @@ def linear_pass(modules: list[nn.Module], batch: int, device: torch.device, pack
         for m, w in zip(modules, weights, strict=True)
     ]
 
+    threads = (lambda: core.runner.compute_threads(batch)) if packed else contextlib.nullcontext
+
     @torch.inference_mode()
     def run() -> float:
         sync(device)
         started = time.perf_counter()
-        for call in calls:
-            call()
+        with threads():
+            for call in calls:
+                call()
         sync(device)
         return time.perf_counter() - started
 
@@ -170,8 +175,8 @@ def bench_limit(args: argparse.Namespace) -> dict:
             core.step()
         core.step()
         core.step()
-        packed_pass = linear_pass(linears, batch, device, packed=True)
-        plain_pass = linear_pass(linears, batch, device, packed=False)
+        packed_pass = linear_pass(core, linears, batch, packed=True)
+        plain_pass = linear_pass(core, linears, batch, packed=False)
         # Interleaved so that load from other processes hits all three alike; medians.
         steps, packed, plain = [], [], []
         core.timings.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.cpu_threads import split_threads, threads_for
 from engine.errors import CacheTooSmallError, InvalidRequestError
+from engine.fast_norms import FusedRMSNorm, fuse_rms_norms
 from engine.kv_cache import KVCacheSpec, num_blocks_for_budget
 from engine.linear import FusedProjection, PrepackedLinear, prepack_linears, prepack_supported
 from engine.llm import LLM
@@ -68,6 +71,58 @@ def test_prepacked_linear_matches_f_linear(bias: bool, rows: int) -> None:
     packed = PrepackedLinear(linear.weight, linear.bias, batch_size_hint=16)
     x = torch.randn(2, rows, 96)
     torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+@pytest.mark.skipif(
+    not prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
+)
+@pytest.mark.parametrize("rows", [1, 2, 33])
+@pytest.mark.parametrize("split", [False, True])
+def test_prepacked_linear_paths_match_f_linear(rows: int, split: bool) -> None:
+    """The packed GEMM for one row and for many, under the thread policy (GEMMs on every
+    thread, one thread restored after) and without it."""
+    torch.manual_seed(0)
+    linear = nn.Linear(1536, 1024)
+    small = nn.Linear(96, 160)
+    x, x_small = torch.randn(rows, 1536), torch.randn(rows, 96)
+    with torch.no_grad(), split_threads(2) if split else contextlib.nullcontext():
+        for module, inp in ((linear, x), (small, x_small)):
+            packed = PrepackedLinear(module.weight, module.bias, batch_size_hint=16)
+            torch.testing.assert_close(packed(inp), F.linear(inp, module.weight, module.bias))
+            if split:
+                assert torch.get_num_threads() == 1  # restored after a parallel GEMM
+
+
+def test_split_threads_grants_threads_to_big_ops_only() -> None:
+    previous = torch.get_num_threads()
+    assert threads_for(1e12, 1.0) == 0  # outside: leave the count alone
+    with split_threads(2):
+        assert torch.get_num_threads() == 1
+        assert threads_for(5.0, 4.0) == 2
+        assert threads_for(3.0, 4.0) == 0
+        with split_threads(2):  # nested: no change, the outer section stays in charge
+            assert torch.get_num_threads() == 1
+        assert threads_for(5.0, 4.0) == 2
+    assert torch.get_num_threads() == previous
+    assert threads_for(5.0, 4.0) == 0
+
+
+def test_fused_rms_norms_match_and_skip_other_formulas(tiny_llama_dir: Path) -> None:
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 60, 7, 300, 42, 9]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        layers = len(model.model.layers)
+        assert fuse_rms_norms(model) == 2 * layers + 1
+        assert isinstance(model.model.norm, FusedRMSNorm)
+        torch.testing.assert_close(model(ids).logits, expected)
+        gemma = nn.Module()
+        gemma.norm = Gemma2RMSNorm(32)  # scales by 1 + weight: not what F.rms_norm does
+        gemma.norm.weight.data.normal_()
+        assert fuse_rms_norms(gemma) == 0
+        assert isinstance(gemma.norm, Gemma2RMSNorm)
 
 
 def test_prepack_linears_replaces_all_linears_but_keeps_tied_embedding() -> None:
