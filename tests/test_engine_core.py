@@ -79,8 +79,8 @@ def test_prepacked_linear_matches_f_linear(bias: bool, rows: int) -> None:
 @pytest.mark.parametrize("rows", [1, 2, 33])
 @pytest.mark.parametrize("split", [False, True])
 def test_prepacked_linear_paths_match_f_linear(rows: int, split: bool) -> None:
-    """The packed GEMM for one row and for many, under the thread policy (GEMMs on every
-    thread, one thread restored after) and without it."""
+    """One row takes the plain-weight GEMV, more rows the packed GEMM; both under the thread
+    policy (GEMMs on every thread, one thread restored after) and without it."""
     torch.manual_seed(0)
     linear = nn.Linear(1536, 1024)
     small = nn.Linear(96, 160)
