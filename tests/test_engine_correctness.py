@@ -37,8 +37,13 @@ def mixed_prompts() -> list[list[int]]:
     return random_prompts(PROMPT_LENS, seed=1) + [shared + tail for tail in tails]
 
 
-def reference_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def reference_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new: int, gguf_file: str | None = None
+) -> list[list[int]]:
+    """transformers generate(), greedy, one prompt at a time (no padding effects)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=gguf_file, dtype=torch.float32
+    ).eval()
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -182,15 +187,5 @@ def test_smollm2_greedy_matches_transformers(smollm2_gguf: Path, one_thread: Non
         )["input_ids"]
         for m in messages
     ]
-    reference = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
-    expected = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = reference.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW
-            )
-            expected.append(out[0, len(prompt) :].tolist())
+    expected = reference_greedy(smollm2_gguf.parent, prompts, MAX_NEW, smollm2_gguf.name)
     assert engine_tokens(llm, prompts, greedy()) == expected
