@@ -375,28 +375,30 @@ def _read_auth(r: _Reader) -> AuthSettings:
 def _read_gateway(r: _Reader) -> GatewaySettings:
     host, port = _read_listen(r)
     timeouts = _read_timeouts(r.section("timeouts"), Timeouts())
-    h = r.section("health")
+    h, hd = r.section("health"), HealthSettings()
     health = HealthSettings(
-        interval_s=h.number("interval_s", 2.0, minimum=0.05),
-        timeout_s=h.number("timeout_s", 1.0, minimum=0, exclusive_min=True),
-        unhealthy_after=h.number("unhealthy_after", 2, kind=int, minimum=1),
-        healthy_after=h.number("healthy_after", 1, kind=int, minimum=1),
+        interval_s=h.number("interval_s", hd.interval_s, minimum=0.05),
+        timeout_s=h.number("timeout_s", hd.timeout_s, minimum=0, exclusive_min=True),
+        unhealthy_after=h.number("unhealthy_after", hd.unhealthy_after, kind=int, minimum=1),
+        healthy_after=h.number("healthy_after", hd.healthy_after, kind=int, minimum=1),
     )
     h.finish()
-    e = r.section("ejection")
+    e, ed = r.section("ejection"), EjectionSettings()
     ejection = EjectionSettings(
-        consecutive_failures=e.number("consecutive_failures", 3, kind=int, minimum=1),
-        base_s=e.number("base_s", 5.0, minimum=0, exclusive_min=True),
-        max_s=e.number("max_s", 300.0, minimum=0, exclusive_min=True),
-        max_percent=e.number("max_percent", 50.0, minimum=0, maximum=100),
+        consecutive_failures=e.number(
+            "consecutive_failures", ed.consecutive_failures, kind=int, minimum=1
+        ),
+        base_s=e.number("base_s", ed.base_s, minimum=0, exclusive_min=True),
+        max_s=e.number("max_s", ed.max_s, minimum=0, exclusive_min=True),
+        max_percent=e.number("max_percent", ed.max_percent, minimum=0, maximum=100),
     )
     e.finish()
-    t = r.section("retries")
+    t, td = r.section("retries"), RetrySettings()
     retries = RetrySettings(
-        attempts=t.number("attempts", 2, kind=int, minimum=1, maximum=10),
-        backoff_ms=t.number("backoff_ms", 50.0, minimum=0),
-        budget_percent=t.number("budget_percent", 20.0, minimum=0, maximum=100),
-        budget_min=t.number("budget_min", 10, kind=int, minimum=0),
+        attempts=t.number("attempts", td.attempts, kind=int, minimum=1, maximum=10),
+        backoff_ms=t.number("backoff_ms", td.backoff_ms, minimum=0),
+        budget_percent=t.number("budget_percent", td.budget_percent, minimum=0, maximum=100),
+        budget_min=t.number("budget_min", td.budget_min, kind=int, minimum=0),
     )
     t.finish()
     settings = GatewaySettings(
@@ -406,8 +408,10 @@ def _read_gateway(r: _Reader) -> GatewaySettings:
         health=health,
         ejection=ejection,
         retries=retries,
-        max_body_bytes=r.size("max_body_bytes") or 4 * 2**20,
-        max_header_bytes=r.number("max_header_bytes", 8190, kind=int, minimum=1024),
+        max_body_bytes=r.size("max_body_bytes") or GatewaySettings.max_body_bytes,
+        max_header_bytes=r.number(
+            "max_header_bytes", GatewaySettings.max_header_bytes, kind=int, minimum=1024
+        ),
         access_log=r.boolean("access_log", True),
         watch_config=r.boolean("watch_config", True),
         auth=_read_auth(r.section("auth")),
