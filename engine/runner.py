@@ -25,6 +25,7 @@ from engine.cpu_threads import split_threads
 from engine.errors import ModelLoadError
 from engine.fast_norms import fuse_rms_norms
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from engine.lean_forward import LeanLlamaForward
 from engine.linear import prepack_linears, prepack_supported
 from engine.loader import LoadedModel
 from engine.scheduler import SchedulerOutput
@@ -35,6 +36,9 @@ ATTN_IMPLEMENTATION = "modelyard_paged"
 CONTEXT_KWARG = "modelyard_step"
 # torch parallelises an elementwise op from this many elements (at::internal::GRAIN_SIZE).
 _ELEMENTWISE_GRAIN = 32768
+# Largest logit difference, relative to the largest logit, at which the lean forward counts as the
+# same computation as transformers' (fp32 reordering of sums differs by ~1e-6 relative).
+_LEAN_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -46,6 +50,37 @@ class StepContext:
     time_attention: bool = False
     attention_s: float = 0.0
     layers_called: set[int] = field(default_factory=set)
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Paged attention of one layer: query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+        k_cache, v_cache = self.kv_caches[layer]
+        started = time.perf_counter() if self.time_attention else 0.0
+        out = paged_attention(
+            query,
+            key,
+            value,
+            k_cache,
+            v_cache,
+            self.meta,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+        if self.time_attention:
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            self.attention_s += time.perf_counter() - started
+        self.layers_called.add(layer)
+        return out
 
 
 def _paged_attention_forward(
@@ -63,29 +98,19 @@ def _paged_attention_forward(
     ctx = kwargs.get(CONTEXT_KWARG)
     if not isinstance(ctx, StepContext):
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention called without {CONTEXT_KWARG}=")
-    layer = module.layer_idx
-    k_cache, v_cache = ctx.kv_caches[layer]
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
     if softcap is None:
         softcap = getattr(module.config, "attn_logit_softcapping", None)
-    started = time.perf_counter() if ctx.time_attention else 0.0
-    out = paged_attention(
+    out = ctx.attend(
+        module.layer_idx,
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
-        k_cache,
-        v_cache,
-        ctx.meta,
-        scale=module.scaling if scaling is None else scaling,
-        sliding_window=sliding_window,
-        softcap=softcap,
+        module.scaling if scaling is None else scaling,
+        sliding_window,
+        softcap,
     )
-    if ctx.time_attention:
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
-        ctx.attention_s += time.perf_counter() - started
-    ctx.layers_called.add(layer)
     return out.unsqueeze(0), None
 
 
@@ -154,7 +179,9 @@ class ModelRunner:
             head_dim=loaded.head_dim,
             dtype=loaded.dtype,
         )
+        self.lean: LeanLlamaForward | None = None
         budget = self._kv_budget_bytes(max_model_len)
+        self.lean = self._checked_lean_forward()
         self.num_blocks = num_blocks_for_budget(self.spec, budget, max_model_len)
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
 
@@ -218,6 +245,38 @@ class ModelRunner:
             )
         return sum(k.numel() * k.element_size() * 2 for k, _ in caches)
 
+    def _checked_lean_forward(self) -> LeanLlamaForward | None:
+        """The lean forward when the model supports it and it reproduces the transformers path's
+        logits on a probe (a two-sequence prefill, then one decode step of each)."""
+        lean = LeanLlamaForward.build(self.model)
+        if lean is None:
+            return None
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(self.loaded.vocab_size, (16,), generator=generator).tolist()
+        blocks = self.spec.blocks_for_tokens(10)
+        tables = [list(range(blocks)), list(range(blocks, 2 * blocks))]
+        steps = [
+            StepBatch(ids[:14], [*range(9), *range(5)], [9, 5], [9, 5], tables, [8, 13]),
+            StepBatch(ids[14:], [9, 5], [1, 1], [10, 6], tables, [0, 1]),
+        ]
+        logits = {}
+        for path in (None, lean):
+            self.lean = path
+            caches = allocate_kv_cache(self.spec, 2 * blocks, self.device)
+            logits[path] = [self._forward(b, self._context(b, caches)) for b in steps]
+        self.lean = None
+        worst = max(
+            (a - b).abs().max().item() for a, b in zip(logits[None], logits[lean], strict=True)
+        )
+        scale = max(a.abs().max().item() for a in logits[None])
+        if worst > _LEAN_TOLERANCE * max(1.0, scale):
+            log.warning(
+                "lean forward differs from transformers' (max |logit diff| %.2e): not used", worst
+            )
+            return None
+        log.info("lean forward in use (max |logit diff| vs transformers %.1e)", worst)
+        return lean
+
     # ------------------------------------------------------------------------ one step
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the step; fp32 logits [R, vocab] for the sequences that reach their last token."""
@@ -253,24 +312,40 @@ class ModelRunner:
 
     @torch.no_grad()  # not inference_mode: fused projections check tensors' version counters
     def _forward_body(self, batch: StepBatch, ctx: StepContext) -> torch.Tensor:
-        input_ids = torch.tensor([batch.input_ids], dtype=torch.long).to(self.device)
-        positions = torch.tensor([batch.positions], dtype=torch.long).to(self.device)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.long).to(self.device)
+        rows = None
+        if batch.sample_rows:
+            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        if self.lean is not None:
+            logits = self.lean(input_ids, positions, ctx.attend, rows)
+        else:
+            logits = self._transformers_forward(input_ids, positions, ctx, rows)
+        if logits is None:  # prefill chunks only: the KV cache is filled, nothing to sample yet
+            return torch.empty(0, self.loaded.vocab_size, device=self.device)
+        return logits.float()
+
+    def _transformers_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: StepContext,
+        rows: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The model's own forward, our attention inside; logits of ``rows``."""
         kwargs = {
-            "input_ids": input_ids,
-            "position_ids": positions,
+            "input_ids": input_ids[None],
+            "position_ids": positions[None],
             "use_cache": False,
             CONTEXT_KWARG: ctx,
         }
-        if not batch.sample_rows:
-            self._base_model(**kwargs)  # fills the KV cache; no token to sample yet
-            return torch.empty(0, self.loaded.vocab_size, device=self.device)
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        if rows is None:
+            self._base_model(**kwargs)
+            return None
         if self._keeps_logits:
             # The model's own head (with any final soft-capping or scaling) on the needed rows only.
-            logits = self.model(**kwargs, logits_to_keep=rows).logits[0]
-        else:
-            logits = self.model(**kwargs).logits[0].index_select(0, rows)
-        return logits.float()
+            return self.model(**kwargs, logits_to_keep=rows).logits[0]
+        return self.model(**kwargs).logits[0].index_select(0, rows)
 
     def _copy_blocks(self, copy_ops: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copy_ops], dtype=torch.long, device=self.device)

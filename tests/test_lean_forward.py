@@ -1,0 +1,87 @@
+"""The lean Llama-family forward: used where it reproduces transformers, refused where it does not.
+
+Token-level equivalence with transformers' generate() runs through it in
+test_engine_correctness (the tiny Llama and SmolLM2 take this path). Here: when it is chosen, and
+step-by-step logits against the transformers path of the same runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.lean_forward import LeanLlamaForward
+from engine.sampling_params import SamplingParams
+
+
+def make_core(model_dir: Path) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            model=str(model_dir), num_threads=1, max_model_len=128, max_num_batched_tokens=64
+        )
+    )
+
+
+def test_llama_runs_the_lean_forward(tiny_llama_dir: Path) -> None:
+    assert make_core(tiny_llama_dir).runner.lean is not None
+
+
+def test_other_architectures_keep_the_transformers_forward(tiny_sliding_dir: Path) -> None:
+    assert make_core(tiny_sliding_dir).runner.lean is None
+
+
+def test_a_lean_forward_that_differs_is_not_used(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    original = LeanLlamaForward.__call__
+
+    def off_by_a_little(self, *args, **kwargs):
+        logits = original(self, *args, **kwargs)
+        return None if logits is None else logits + 0.01
+
+    monkeypatch.setattr(LeanLlamaForward, "__call__", off_by_a_little)
+    with caplog.at_level(logging.WARNING, logger="engine.runner"):
+        core = make_core(tiny_llama_dir)
+    assert core.runner.lean is None
+    assert "lean forward differs" in caplog.text
+
+
+def test_lean_logits_match_the_transformers_forward_step_by_step(tiny_llama_dir: Path) -> None:
+    """Mixed steps (chunked prefills next to decodes, a shared prefix) through both paths."""
+    core = make_core(tiny_llama_dir)
+    lean = core.runner.lean
+    assert lean is not None
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    shared = list(range(3, 40))
+    prompts = [[*shared, 50, 51], list(range(60, 160)), [*shared, 70], [5, 6, 7]]
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+    original_execute = core.runner.execute
+    compared = 0
+
+    def execute_both(out):
+        nonlocal compared
+        snapshot = [(k.clone(), v.clone()) for k, v in core.runner.kv_caches]
+        core.runner.lean = None
+        reference = original_execute(out)
+        for (k, v), (k0, v0) in zip(core.runner.kv_caches, snapshot, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        core.runner.lean = lean
+        logits = original_execute(out)
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+        compared += 1
+        return logits
+
+    core.runner.execute = execute_both
+    for _ in range(200):
+        if not core.has_unfinished():
+            break
+        core.step()
+    assert not core.has_unfinished()
+    assert compared >= 12
