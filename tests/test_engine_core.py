@@ -93,6 +93,37 @@ def test_prepacked_linear_paths_match_f_linear(rows: int, split: bool) -> None:
                 assert torch.get_num_threads() == 1  # restored after a parallel GEMM
 
 
+@pytest.mark.skipif(
+    not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="no bf16 oneDNN on this CPU"
+)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_bf16_prepacked_linear_matches_fp32_reference(rows: int) -> None:
+    """bf16 runs prepacked for every row count (no plain copy); within bf16 rounding of fp32."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 160)
+    weight, bias = linear.weight.detach().bfloat16(), linear.bias.detach().bfloat16()
+    packed = PrepackedLinear(weight, bias, batch_size_hint=16)
+    assert packed.plain_weight is None
+    x = torch.randn(rows, 256).bfloat16()
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(packed(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_engine_runs_prepacked_and_lean(tiny_llama_dir: Path) -> None:
+    """Where the CPU has bf16 GEMMs, a bf16 engine prepacks, fuses its norms and passes the lean
+    forward's probe; its greedy tokens follow the fp32 engine's for the first steps."""
+    if not prepack_supported(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no bf16 oneDNN on this CPU")
+    config = {"model": str(tiny_llama_dir), "num_threads": 1, "max_model_len": 64}
+    bf16 = EngineCore(EngineConfig(**config, dtype="bfloat16"))
+    assert bf16.runner.num_prepacked > 0 and bf16.runner.num_fused_norms > 0
+    assert bf16.runner.lean is not None
+    fp32 = EngineCore(EngineConfig(**config, dtype="float32"))
+    ours = tokens_of(run(bf16, "bf16", PROMPT, greedy(max_tokens=3)))
+    reference = tokens_of(run(fp32, "fp32", PROMPT, greedy(max_tokens=3)))
+    assert ours[:1] == reference[:1]
+
+
 def test_split_threads_grants_threads_to_big_ops_only() -> None:
     previous = torch.get_num_threads()
     assert threads_for(1e12, 1.0) == 0  # outside: leave the count alone
@@ -118,11 +149,13 @@ def test_fused_rms_norms_match_and_skip_other_formulas(tiny_llama_dir: Path) -> 
         assert fuse_rms_norms(model) == 2 * layers + 1
         assert isinstance(model.model.norm, FusedRMSNorm)
         torch.testing.assert_close(model(ids).logits, expected)
-        gemma = nn.Module()
-        gemma.norm = Gemma2RMSNorm(32)  # scales by 1 + weight: not what F.rms_norm does
-        gemma.norm.weight.data.normal_()
-        assert fuse_rms_norms(gemma) == 0
-        assert isinstance(gemma.norm, Gemma2RMSNorm)
+        for dtype in (torch.float32, torch.bfloat16):
+            gemma = nn.Module()
+            gemma.norm = Gemma2RMSNorm(32)  # scales by 1 + weight: not what F.rms_norm does
+            gemma.norm.weight.data.normal_()
+            gemma.to(dtype)
+            assert fuse_rms_norms(gemma) == 0
+            assert isinstance(gemma.norm, Gemma2RMSNorm)
 
 
 def test_prepack_linears_replaces_all_linears_but_keeps_tied_embedding() -> None:
