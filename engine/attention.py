@@ -1,10 +1,16 @@
 """Paged attention: write new K/V into the block pools, then attend over each sequence's blocks.
 
-One function, `paged_attention`, serves every layer. On CUDA it runs the Triton kernels of
-`engine.kernels`; elsewhere it runs the vectorised torch path below. Sequences are never looped over
-in Python: each sequence's blocks are gathered with one indexing op, queries and keys are padded to
-[batch, max_len] and one masked `scaled_dot_product_attention` call (or a plain fp32 matmul/softmax
-when scores are soft-capped) covers the whole group.
+One function, `paged_attention`, serves every layer, through one of three backends
+($MODELYARD_ATTENTION_BACKEND or the `backend` argument; auto when unset):
+- "triton" (auto on CUDA): the Triton kernels of `engine.kernels`.
+- "cpu" (auto on CPU when the C kernel builds): decode groups run the fused C kernel of
+  `engine.cpu_kernels`, which reads K/V straight from the block pools (fp32 or bf16; other
+  dtypes and prefill groups take the torch path).
+- "torch" (the reference, and the fallback when no compiler is found): the vectorised torch path
+  below. Sequences are never looped over in Python: each sequence's blocks are gathered with one
+  indexing op, queries and keys are padded to [batch, max_len] and one masked
+  `scaled_dot_product_attention` call (or a plain fp32 matmul/softmax when scores are soft-capped)
+  covers the whole group.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_threads import release, threads_for
+from engine import cpu_kernels
+from engine.cpu_threads import all_threads, release, threads_for
 
-BACKEND_ENV = "MODELYARD_ATTENTION_BACKEND"  # "triton" | "torch" | unset (auto: triton on CUDA)
+# "triton" | "cpu" | "torch" | unset (auto: triton on CUDA, cpu on CPU when its kernel builds)
+BACKEND_ENV = "MODELYARD_ATTENTION_BACKEND"
 
 # A prefill group's padded (query x key) area may exceed the sum of its sequences' real areas by
 # this factor before the group is split; it bounds the work and memory wasted on padding.
@@ -29,6 +37,12 @@ _MAX_SCORE_ELEMENTS = 1 << 25
 # multiply-adds (decode at batch 16, context 128 is faster on one thread, batch 64 on two).
 _PARALLEL_MACS = 2e6
 _PARALLEL_GATHER_ELEMENTS = 1e6
+# The C decode kernel runs multi-threaded from this many visible-key x query-head x head-dim
+# multiply-adds (per pass over K or V). Measured (passive wait policy, SmolLM2 shapes, context
+# 144): batch 8 is even (153 us on one thread, 140 on two), batch 12 faster on two (262 vs 187).
+# A lone sequence splits only by KV head (3 tasks for SmolLM2) and at context 2048 is still faster
+# on one thread (289 vs 399 us): the thread wake-up is not amortised there.
+_KERNEL_PARALLEL_MACS = 1e6
 
 
 @dataclass
@@ -119,24 +133,37 @@ def paged_attention(
     Causal, GQA (Hq % Hkv == 0), sliding window (query i sees keys j with i - W < j <= i),
     soft-capped scores (softcap * tanh(s / softcap)) when given.
     Returns [T, Hq, D] in query's dtype.
-    backend: "triton" or "torch" forces a path (default: $MODELYARD_ATTENTION_BACKEND, else Triton
-    on CUDA and torch elsewhere).
+    backend: "triton", "cpu" or "torch" forces a path (default: $MODELYARD_ATTENTION_BACKEND, else
+    Triton on CUDA, the C decode kernel on CPU when it builds, torch otherwise).
     """
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
     if sliding_window is not None and sliding_window <= 0:
         sliding_window = None
-    choice = backend or os.environ.get(BACKEND_ENV) or ("triton" if query.is_cuda else "torch")
+    choice = backend or os.environ.get(BACKEND_ENV) or _auto_backend(query)
     if choice == "triton":
         from engine import kernels  # deferred: importing Triton is slow and needs no GPU here
 
         kernels.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         attend = kernels.decode_attention if meta.is_decode_only else kernels.prefill_attention
         return attend(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
-    if choice != "torch":
-        raise ValueError(f"unknown attention backend {choice!r}: expected 'triton' or 'torch'")
+    if choice not in ("cpu", "torch"):
+        raise ValueError(
+            f"unknown attention backend {choice!r}: expected 'triton', 'cpu' or 'torch'"
+        )
     write_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping)
-    return attend_torch(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    decode_kernel = (
+        choice == "cpu" and cpu_kernels.supports(query, k_cache) and cpu_kernels.available()
+    )
+    return attend_torch(
+        query, k_cache, v_cache, meta, scale, sliding_window, softcap, decode_kernel=decode_kernel
+    )
+
+
+def _auto_backend(query: torch.Tensor) -> str:
+    if query.is_cuda:
+        return "triton"
+    return "cpu" if query.device.type == "cpu" and cpu_kernels.available() else "torch"
 
 
 def write_kv_cache_torch(
@@ -160,20 +187,78 @@ def attend_torch(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    *,
+    decode_kernel: bool = False,
 ) -> torch.Tensor:
-    """Attention over the paged cache (which already holds this step's keys), torch ops only."""
+    """Attention over the paged cache (which already holds this step's keys), torch ops only
+    unless ``decode_kernel``: then the decode group runs the C kernel (the caller checked that it
+    is available and supports these tensors)."""
     groups = meta.derived.get("groups")
     if groups is None:
         groups = meta.derived["groups"] = _plan_groups(meta)
+    args = (query, k_cache, v_cache)
+    kwargs = {"scale": scale, "sliding_window": sliding_window, "softcap": softcap}
     if len(groups) == 1 and groups[0].rows is None:
-        return _attend_group(
-            query, k_cache, v_cache, groups[0], meta, scale, sliding_window, softcap
-        )
+        return _attend_any(*args, groups[0], meta, decode_kernel=decode_kernel, **kwargs)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
     for group in groups:
-        result = _attend_group(query, k_cache, v_cache, group, meta, scale, sliding_window, softcap)
+        result = _attend_any(*args, group, meta, decode_kernel=decode_kernel, **kwargs)
         out.index_copy_(0, group.rows, result)
     return out
+
+
+def _attend_any(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _Group,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    decode_kernel: bool,
+) -> torch.Tensor:
+    if decode_kernel and max(group.query_lens) == 1:
+        return _attend_decode_kernel(
+            query, k_cache, v_cache, group, meta, scale, sliding_window, softcap
+        )
+    return _attend_group(query, k_cache, v_cache, group, meta, scale, sliding_window, softcap)
+
+
+def _attend_decode_kernel(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _Group,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """A decode group through the fused C kernel: no gather, K/V read in place from the pools."""
+    key = ("kernel_inputs", sliding_window)
+    inputs = group.derived.get(key)
+    if inputs is None:
+        tables, seq_lens = meta.block_tables, meta.seq_lens
+        if group.seq_ids is not None:
+            tables, seq_lens = tables[group.seq_ids], seq_lens[group.seq_ids]
+        visible = sum(min(s, sliding_window or s) for s in group.seq_lens)
+        inputs = group.derived[key] = (
+            tables.contiguous(),
+            seq_lens.contiguous(),
+            visible * query.shape[1] * query.shape[2],
+        )
+    tables, seq_lens, macs = inputs
+    q = query if group.rows is None else query.index_select(0, group.rows)
+    # Inside split_threads: its count for big enough work, else 1; outside: torch's own count.
+    if all_threads():
+        threads = threads_for(macs, _KERNEL_PARALLEL_MACS)
+    else:
+        threads = torch.get_num_threads() if macs >= _KERNEL_PARALLEL_MACS else 1
+    return cpu_kernels.paged_decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, scale, sliding_window, softcap, max(1, threads)
+    )
 
 
 @dataclass

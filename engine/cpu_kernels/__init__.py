@@ -1,0 +1,227 @@
+"""C kernels for the CPU path, compiled on first use with the system compiler and loaded by ctypes.
+
+`paged_decode_attention` is decode attention straight over the paged K/V pools (paged_decode.c),
+fp32 or bf16. The shared library is built once per process (lazily, thread-safe) into
+<MODELYARD_CACHE_DIR>/cpu_kernels/, named by a hash of the source, flags, compiler version and CPU
+(it is built with -march=native), written to a temp file and renamed so concurrent processes never
+load half a file. It links
+`-fopenmp` against libgomp.so.1; torch is imported first, so the dynamic loader reuses torch's
+already-mapped libgomp and the kernel's OpenMP team comes from torch's thread pool.
+
+No compiler or a failed build logs one warning and `load()` returns None: callers use torch instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_decode.c")
+# -ffp-contract=fast (gcc's default in GNU C mode, not clang's) fuses the D-loop multiply-adds
+# into FMAs; no -ffast-math, so NaN and inf stay IEEE. -lm goes after the source.
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+_LIBS = ("-lm",)
+_BUILD_TIMEOUT_S = 120
+_STDERR_TAIL = 2000
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the loaded CDLL or None once a load was attempted
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it on first call; None when it cannot be built."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"] = _build_and_load()
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def reset() -> None:
+    """Forget the loaded library so the next `load()` builds again (tests)."""
+    with _lock:
+        _state.clear()
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel handles these tensors (CPU, fp32 or bf16); callers use torch otherwise."""
+    return (
+        query.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and query.dtype in _DTYPES
+        and k_cache.dtype in _DTYPES
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    num_threads: int,
+) -> torch.Tensor:
+    """Decode attention, one query token per sequence, over the paged cache (which already holds
+    the current token's K/V).
+
+    query [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] contiguous, each fp32 or
+    bf16 (arithmetic is fp32 either way); block_tables int32 [B, max_blocks] (rows contiguous);
+    seq_lens int32 [B] context lengths including the current token. Returns [B, Hq, D] in query's
+    dtype. The caller checks `supports` and `available`.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the build warning)")
+    _check(query, k_cache, v_cache, block_tables, seq_lens)
+    q32 = query.to(torch.float32).contiguous()
+    batch, q_heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q32)
+    status = lib.paged_decode_attention(
+        q32.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.dtype == torch.bfloat16,
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        batch,
+        q_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        sliding_window or 0,
+        softcap or 0.0,
+        max(1, num_threads),
+    )
+    if status != 0:
+        raise MemoryError("the CPU decode kernel could not allocate its score scratch")
+    return out.to(query.dtype)
+
+
+def _check(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    if not supports(query, k_cache) or v_cache.dtype != k_cache.dtype:
+        raise TypeError("the CPU decode kernel takes fp32 or bf16 CPU tensors")
+    if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"bad shapes: query {tuple(query.shape)}, cache {tuple(k_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    batch, q_heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or q_heads % kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise TypeError("block_tables and seq_lens must be int32")
+    if (
+        block_tables.dim() != 2
+        or block_tables.shape[0] != batch
+        or block_tables.stride(1) != 1
+        or seq_lens.shape != (batch,)
+        or not seq_lens.is_contiguous()
+    ):
+        raise ValueError("block_tables must be [B, max_blocks] with contiguous rows, seq_lens [B]")
+    if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
+        raise ValueError("block_tables and seq_lens must be CPU tensors")
+
+
+def _build_and_load() -> ctypes.CDLL | None:
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    try:
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+        log.warning(
+            "CPU decode kernel unavailable (attention falls back to torch): %s failed: %s",
+            " ".join(compiler),
+            (detail or "").strip()[-_STDERR_TAIL:],
+        )
+        return None
+    fn = lib.paged_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64]
+    fn.argtypes += [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def _build(compiler: list[str]) -> Path:
+    """Compile into the cache (unless already there) and return the library's path."""
+    from engine.loader import cache_root  # deferred: the loader imports transformers
+
+    version = subprocess.run(
+        [*compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256()
+    flags = " ".join((*_FLAGS, *_LIBS))
+    for part in (source, flags.encode(), version.encode(), _cpu_signature().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    folder = cache_root() / "cpu_kernels"
+    target = folder / f"paged_decode-{digest.hexdigest()[:24]}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=".paged_decode-", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run(
+            [*compiler, *_FLAGS, "-o", temp, str(_SOURCE), *_LIBS],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=_BUILD_TIMEOUT_S,
+        )
+        os.replace(temp, target)
+    finally:
+        if os.path.exists(temp):
+            os.remove(temp)
+    return target
+
+
+def _cpu_signature() -> str:
+    """Machine and CPU model + feature flags: a -march=native build must not be reused by a
+    different CPU sharing the cache directory."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU part") and line not in lines:
+                    lines.append(line)
+                if not line.strip() and lines:  # first processor's block is enough
+                    break
+    except OSError:
+        lines.append(platform.processor())
+    return platform.machine() + "".join(lines)
