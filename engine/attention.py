@@ -322,6 +322,8 @@ def _attend_group(
     kv_heads = k_cache.shape[2]
     q_per_kv = q_heads // kv_heads
     k, v = _gather_context(k_cache, v_cache, group, meta)  # [B, S, Hkv, D]
+    if k.dtype != query.dtype:  # a KV cache stored narrower than the model computes
+        k, v = k.to(query.dtype), v.to(query.dtype)
     mask = _mask(group, meta, k.shape[1], sliding_window, q_per_kv)  # [B, 1, G*max_q or 1, S]
 
     if max_q == 1:

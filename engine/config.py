@@ -37,6 +37,9 @@ class EngineConfig:
     # auto | float32 | float16 | bfloat16 (auto: bf16/fp16 on CUDA, fp32 on CPU)
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
+    # auto (the model's dtype) | float32 | float16 | bfloat16: a narrower cache holds more tokens
+    # and halves the bytes decode attention reads; attention still computes in the model's dtype
+    kv_cache_dtype: str = "auto"
     max_model_len: int = 2048
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu_kernels.fused_ops import FusedOps
 from engine.linear import FusedMember, PrepackedLinear
 
 # (layer, query [T, Hq, D], key, value [T, Hkv, D], scale, sliding window, softcap) -> [T, Hq, D]
@@ -59,6 +60,7 @@ class LeanLlamaForward:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.layers = [_layer(layer) for layer in inner.layers]
+        self.ops = FusedOps(self.embed.weight.dtype, self.embed.weight.device)
 
     @classmethod
     def build(cls, model: nn.Module) -> LeanLlamaForward | None:
@@ -86,21 +88,20 @@ class LeanLlamaForward:
 
         ``attend`` is the runner's paged attention of one layer (it owns the caches and metadata).
         """
-        x = self.embed(input_ids)  # [T, hidden]
+        ops = self.ops
+        x = self.embed(
+            input_ids
+        )  # [T, hidden], a fresh tensor: the residual stream, updated in place
         cos, sin = self.rotary(x, positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D], broadcast over heads
-        half = self.head_dim // 2
-        # rotate_half(x) * sin == (x with its halves swapped) * (sin with the first half negated)
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        rotary = ops.rotary_tables(cos[0], sin[0])
         tokens = x.shape[0]
         q_width = self.num_heads * self.head_dim
         qk_heads = self.num_heads + self.num_kv_heads
+        delta = None  # the previous block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), *layer.input_norm)
+            h = ops.add_rms_norm(x, delta, *layer.input_norm)
             qkv = layer.qkv(h)
-            qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
-            swapped = qk.view(tokens, qk_heads, 2, half).flip(2).view_as(qk)
-            qk = torch.addcmul(qk * cos, swapped, sin)
+            qk = ops.rope(qkv, rotary, qk_heads, self.head_dim)
             v = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
             attn = attend(
                 index,
@@ -111,15 +112,14 @@ class LeanLlamaForward:
                 layer.sliding_window,
                 None,
             )
-            x = x + layer.o_proj(attn.reshape(tokens, q_width))
-            h = F.rms_norm(x, (x.shape[-1],), *layer.post_norm)
+            h = ops.add_rms_norm(x, layer.o_proj(attn.reshape(tokens, q_width)), *layer.post_norm)
             gate_up = layer.gate_up(h)
             width = gate_up.shape[-1] // 2
-            x = x + layer.down(F.silu(gate_up[:, :width]).mul_(gate_up[:, width:]))
+            delta = layer.down(F.silu(gate_up[:, :width]).mul_(gate_up[:, width:]))
         if sample_rows is None:
             return None
-        h = F.rms_norm(x.index_select(0, sample_rows), (x.shape[-1],), *self.final_norm)
-        return self.lm_head(h)
+        x = x.index_select(0, sample_rows) + delta.index_select(0, sample_rows)
+        return self.lm_head(ops.add_rms_norm(x, None, *self.final_norm))
 
 
 def _layer(layer: nn.Module) -> _Layer:

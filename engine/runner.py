@@ -27,7 +27,7 @@ from engine.fast_norms import fuse_rms_norms
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from engine.lean_forward import LeanLlamaForward
 from engine.linear import prepack_linears, prepack_supported
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, resolve_dtype
 from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ _ELEMENTWISE_GRAIN = 32768
 # same computation as transformers' (reordered sums differ by ~1e-6 relative in fp32; in bf16 every
 # rounding of an activation is worth ~4e-3). A structural mistake (rotary, norm, residual) moves
 # logits by a large fraction of their scale.
-_LEAN_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+_LEAN_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 @dataclass
@@ -179,7 +179,7 @@ class ModelRunner:
             block_size=config.block_size,
             num_kv_heads=loaded.num_kv_heads,
             head_dim=loaded.head_dim,
-            dtype=loaded.dtype,
+            dtype=self._kv_cache_dtype(),
         )
         self.lean: LeanLlamaForward | None = None
         budget = self._kv_budget_bytes(max_model_len)
@@ -188,6 +188,18 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
 
     # ----------------------------------------------------------------- sizing and probing
+    def _kv_cache_dtype(self) -> torch.dtype:
+        if self.config.kv_cache_dtype == "auto":
+            return self.loaded.dtype
+        dtype = resolve_dtype(self.config.kv_cache_dtype, self.device)
+        if self.device.type == "cuda" and dtype != self.loaded.dtype:
+            raise ModelLoadError(
+                f"kv_cache_dtype {self.config.kv_cache_dtype} differs from the model's "
+                f"{self.loaded.dtype}: on CUDA the KV cache takes the model's dtype",
+                param="kv_cache_dtype",
+            )
+        return dtype
+
     def _kv_budget_bytes(self, max_model_len: int) -> int:
         """CPU: the configured bytes. CUDA: the card's share minus weights and activation peak."""
         if self.device.type != "cuda":
@@ -271,7 +283,10 @@ class ModelRunner:
             (a - b).abs().max().item() for a, b in zip(logits[None], logits[lean], strict=True)
         )
         scale = max(a.abs().max().item() for a in logits[None])
-        if worst > _LEAN_TOLERANCE.get(self.loaded.dtype, 0.0) * max(1.0, scale):
+        # The narrower of the model's and the cache's dtype sets how far roundings may drift apart.
+        dtypes = (self.loaded.dtype, self.spec.dtype)
+        tolerance = max(_LEAN_TOLERANCE.get(dtype, 0.0) for dtype in dtypes)
+        if worst > tolerance * max(1.0, scale):
             log.warning(
                 "lean forward differs from transformers' (max |logit diff| %.2e): not used", worst
             )

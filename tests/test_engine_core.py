@@ -124,6 +124,22 @@ def test_bf16_engine_runs_prepacked_and_lean(tiny_llama_dir: Path) -> None:
     assert ours[:1] == reference[:1]
 
 
+def test_bf16_kv_cache_under_an_fp32_model(tiny_llama_dir: Path) -> None:
+    """--kv-cache-dtype bfloat16: twice the blocks for the same budget, prefill (torch path) and
+    decode (kernel or torch) read the narrower cache, tokens follow the fp32 cache's."""
+    config = {"model": str(tiny_llama_dir), "num_threads": 1, "max_model_len": 64}
+    narrow = EngineCore(EngineConfig(**config, kv_cache_dtype="bfloat16"))
+    full = EngineCore(EngineConfig(**config))
+    assert narrow.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert full.runner.kv_caches[0][0].dtype == torch.float32
+    assert narrow.runner.num_blocks == 2 * full.runner.num_blocks
+    prompts = [PROMPT, list(range(100, 140))]
+    for i, prompt in enumerate(prompts):
+        ours = tokens_of(run(narrow, f"n{i}", prompt, greedy(max_tokens=4)))
+        reference = tokens_of(run(full, f"f{i}", prompt, greedy(max_tokens=4)))
+        assert ours == reference
+
+
 def test_split_threads_grants_threads_to_big_ops_only() -> None:
     previous = torch.get_num_threads()
     assert threads_for(1e12, 1.0) == 0  # outside: leave the count alone

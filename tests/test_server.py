@@ -522,6 +522,7 @@ def test_cli_help_has_one_line_per_flag():
         "--kv-cache-memory",
         "--gpu-memory-fraction",
         "--dtype",
+        "--kv-cache-dtype",
         "--device",
         "--seed",
         "--max-queue",
@@ -542,6 +543,7 @@ def test_cli_help_has_one_line_per_flag():
         ("--model", ".", "--gpu-memory-fraction", "1.5"),
         ("--model", ".", "--block-size", "12"),
         ("--model", ".", "--dtype", "float64"),
+        ("--model", ".", "--kv-cache-dtype", "int4"),
     ],
 )
 def test_cli_bad_values_one_line_exit_2(args):

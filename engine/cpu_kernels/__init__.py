@@ -1,7 +1,8 @@
 """C kernels for the CPU path, compiled on first use with the system compiler and loaded by ctypes.
 
 `paged_decode_attention` is decode attention straight over the paged K/V pools (paged_decode.c),
-fp32 or bf16. The shared library is built once per process (lazily, thread-safe) into
+fp32 or bf16; `engine.cpu_kernels.fused_ops` wraps the lean forward's fused fp32 elementwise ops
+(fused_ops.c). The shared library is built once per process (lazily, thread-safe) into
 <MODELYARD_CACHE_DIR>/cpu_kernels/, named by a hash of the source, flags, compiler version and CPU
 (it is built with -march=native), written to a temp file and renamed so concurrent processes never
 load half a file. It links
@@ -28,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "fused_ops.c"))
 # -ffp-contract=fast (gcc's default in GNU C mode, not clang's) fuses the D-loop multiply-adds
 # into FMAs; no -ffast-math, so NaN and inf stay IEEE. -lm goes after the source.
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
@@ -172,6 +173,10 @@ def _build_and_load() -> ctypes.CDLL | None:
     fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64]
     fn.argtypes += [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.add_rms_norm_f32.restype = None
+    lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.rope_f32.restype = None
     return lib
 
 
@@ -182,22 +187,22 @@ def _build(compiler: list[str]) -> Path:
     version = subprocess.run(
         [*compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
-    source = _SOURCE.read_bytes()
     digest = hashlib.sha256()
     flags = " ".join((*_FLAGS, *_LIBS))
-    for part in (source, flags.encode(), version.encode(), _cpu_signature().encode()):
+    sources = [path.read_bytes() for path in _SOURCES]
+    for part in (*sources, flags.encode(), version.encode(), _cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")
     folder = cache_root() / "cpu_kernels"
-    target = folder / f"paged_decode-{digest.hexdigest()[:24]}.so"
+    target = folder / f"cpu_kernels-{digest.hexdigest()[:24]}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=folder, prefix=".paged_decode-", suffix=".so")
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=".cpu_kernels-", suffix=".so")
     os.close(fd)
     try:
         subprocess.run(
-            [*compiler, *_FLAGS, "-o", temp, str(_SOURCE), *_LIBS],
+            [*compiler, *_FLAGS, "-o", temp, *map(str, _SOURCES), *_LIBS],
             capture_output=True,
             text=True,
             check=True,

@@ -1,0 +1,100 @@
+"""The lean forward's elementwise glue as single C calls (fp32 CPU), torch ops elsewhere.
+
+Between two GEMMs of a decode step each torch op costs ~10-60 us of dispatch here, much of it
+re-fetching code the GEMM's weight stream evicted from the caches; transformers' RMSNorm alone is ~6
+ops. One C call does the residual add and the norm, another the rotary embedding of every q/k head
+in place. The torch versions compute the same thing for the other dtypes and when no compiler is
+found.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+from engine.cpu_threads import threads_for
+
+# Elements from which a fused op runs on every thread of the split_threads section.
+_PARALLEL_ELEMENTS = 1 << 16
+
+
+class FusedOps:
+    """``add_rms_norm`` and ``rope`` for tensors of one dtype on one device."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        use_kernels = device.type == "cpu" and dtype == torch.float32
+        self._lib = cpu_kernels.load() if use_kernels else None
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self._lib is not None
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``x += delta`` in place (when given), then ``weight * x / rms(x)`` over the last dim.
+        x [T, H] contiguous; delta [T, H]."""
+        if self._lib is None:
+            if delta is not None:
+                x.add_(delta)
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        if delta is not None:
+            delta = delta.contiguous()
+        out = torch.empty_like(x)
+        rows, hidden = x.shape
+        self._lib.add_rms_norm_f32(
+            x.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            _threads(x.numel()),
+        )
+        return out
+
+    def rotary_tables(
+        self, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's cos/sin [T, head_dim] (as transformers' rotary module returns them) in the form
+        `rope` takes; computed once per step, used by every layer."""
+        if self._lib is not None:
+            return cos.contiguous(), sin.contiguous()
+        half = cos.shape[-1] // 2
+        # rotate_half(x) * sin == (x with its halves swapped) * (sin, first half negated)
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos[:, None], signed[:, None]
+
+    def rope(
+        self,
+        qkv: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        heads: int,
+        head_dim: int,
+    ) -> torch.Tensor:
+        """Rotary embedding of the first ``heads`` heads of every row of qkv [T, W] (rows
+        contiguous). Returns those heads rotated, [T, heads, head_dim] (a view of qkv on the
+        kernel path, which rotates in place)."""
+        tokens = qkv.shape[0]
+        qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+        cos, sin = tables
+        if self._lib is None:
+            swapped = qk.view(tokens, heads, 2, head_dim // 2).flip(2).view_as(qk)
+            return torch.addcmul(qk * cos, swapped, sin)
+        self._lib.rope_f32(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            tokens,
+            heads,
+            head_dim,
+            _threads(tokens * heads * head_dim),
+        )
+        return qk
+
+
+def _threads(elements: int) -> int:
+    return max(1, threads_for(elements, _PARALLEL_ELEMENTS))
