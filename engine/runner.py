@@ -36,6 +36,9 @@ ATTN_IMPLEMENTATION = "modelyard_paged"
 CONTEXT_KWARG = "modelyard_step"
 # torch parallelises an elementwise op from this many elements (at::internal::GRAIN_SIZE).
 _ELEMENTWISE_GRAIN = 32768
+# From this many elements per activation row set (tokens x hidden) the elementwise ops are big
+# enough to pay for waking the other threads (SiLU over 1024 x 1536: 1.3 ms on one thread).
+_ELEMENTWISE_PARALLEL = 256 * 576
 # Largest logit difference, relative to the largest logit, at which the lean forward counts as the
 # same computation as transformers' (reordered sums differ by ~1e-6 relative in fp32; in bf16 every
 # rounding of an activation is worth ~4e-3). A structural mistake (rotary, norm, residual) moves
@@ -317,9 +320,11 @@ class ModelRunner:
         """The thread policy of a forward over ``num_tokens`` tokens. On CPU, once the model's
         elementwise ops get big enough for torch to parallelise them (activations of
         ``_ELEMENTWISE_GRAIN`` elements), they run on one thread and only GEMMs and big attention
-        calls on every thread; below that, switching thread counts per GEMM costs more (~3%)
-        than it saves, so everything keeps every thread."""
-        if self.threads > 1 and num_tokens * self._hidden_size >= _ELEMENTWISE_GRAIN:
+        calls on every thread, until they are big enough to gain from every thread themselves
+        (``_ELEMENTWISE_PARALLEL``, prefill-sized steps); below the grain, switching thread counts
+        per GEMM costs more (~3%) than it saves, so everything keeps every thread."""
+        elements = num_tokens * self._hidden_size
+        if self.threads > 1 and _ELEMENTWISE_GRAIN <= elements < _ELEMENTWISE_PARALLEL:
             return split_threads(self.threads)
         return contextlib.nullcontext()
 

@@ -83,7 +83,8 @@ def make_core(args: argparse.Namespace, **overrides: object) -> EngineCore:
     options = {
         "model": args.model,
         "num_threads": args.threads,
-        "dtype": "float32",
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "device": args.device,
         "max_model_len": 2048,
         "max_num_seqs": 64,
@@ -228,7 +229,7 @@ def load_hf(core: EngineCore) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        core.runner.loaded.source, dtype=torch.float32, local_files_only=True
+        core.runner.loaded.source, dtype=core.runner.loaded.dtype, local_files_only=True
     )
     return model.to(core.runner.device).eval()
 
@@ -456,6 +457,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", help="model dtype (the issue's figures: float32)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or narrower")
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the JSON here too")
@@ -498,6 +501,8 @@ def main(argv: list[str] | None = None) -> None:
     report: dict = {
         "model": args.model,
         "threads": args.threads,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "torch": torch.__version__,
         "device": "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",

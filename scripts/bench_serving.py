@@ -85,6 +85,12 @@ def build_workload(
     return specs
 
 
+def tagged(specs: list[RequestSpec], tag: str) -> list[RequestSpec]:
+    """The workload with every prompt opened by a run's own tag: runs against one server must not
+    reuse each other's prompts from its prefix cache (same lengths, no shared first block)."""
+    return [RequestSpec(f"[{tag}] {spec.prompt}", spec.max_tokens) for spec in specs]
+
+
 # ---- statistics ------------------------------------------------------------------------------
 
 
@@ -550,11 +556,12 @@ def main(argv: list[str] | None = None) -> int:
         if warm:
             asyncio.run(run_concurrency(client, warm, len(warm), 120))
         for c in concurrencies:
-            run = asyncio.run(run_concurrency(client, specs, c, args.max_seconds))
+            run = asyncio.run(run_concurrency(client, tagged(specs, f"c{c}"), c, args.max_seconds))
             out["runs"].append(run)
             print(json.dumps(_brief(run)), file=sys.stderr)
         for rate in rates:
-            run = asyncio.run(run_rate(client, specs, rate, args.seed, args.max_seconds))
+            run_specs = tagged(specs, f"r{rate}")
+            run = asyncio.run(run_rate(client, run_specs, rate, args.seed, args.max_seconds))
             out["runs"].append(run)
             print(json.dumps(_brief(run)), file=sys.stderr)
     finally:
@@ -587,18 +594,21 @@ def _baselines(
         if warm:
             _, core = run_offline(engine_args, warm, len(warm), 120)
         for c in concurrencies:
-            run, core = run_offline(engine_args, specs, c, args.max_seconds, core)
+            run_specs = tagged(specs, f"c{c}")
+            run, core = run_offline(engine_args, run_specs, c, args.max_seconds, core)
             baselines.append(run)
             print(json.dumps(_brief(run)), file=sys.stderr)
     if args.baseline_hf:
         model_dir = hf_model_dir(engine_args)
         for c in concurrencies:  # one static batch of the same first c prompts
             if c <= args.hf_max_batch and c <= len(specs):
-                baselines.append(run_hf_static(model_dir, specs[:c], c, args.max_seconds))
+                run_specs = tagged(specs[:c], f"c{c}")
+                baselines.append(run_hf_static(model_dir, run_specs, c, args.max_seconds))
                 print(json.dumps(_brief(baselines[-1])), file=sys.stderr)
         if rate_runs:  # the whole request set the rate runs sent, in static batches
             sent = max(run["sent"] for run in rate_runs)
-            run = run_hf_static(model_dir, specs[:sent], args.hf_batch, args.max_seconds)
+            run_specs = tagged(specs[:sent], "rate")
+            run = run_hf_static(model_dir, run_specs, args.hf_batch, args.max_seconds)
             run["for"] = "request-rate runs"
             baselines.append(run)
             print(json.dumps(_brief(run)), file=sys.stderr)
