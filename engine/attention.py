@@ -151,13 +151,31 @@ def paged_attention(
         raise ValueError(
             f"unknown attention backend {choice!r}: expected 'triton', 'cpu' or 'torch'"
         )
-    write_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping)
+    written = (
+        choice == "cpu"
+        and _slots_in_range(meta, k_cache)
+        and cpu_kernels.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+    )
+    if not written:
+        write_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping)
     decode_kernel = (
         choice == "cpu" and cpu_kernels.supports(query, k_cache) and cpu_kernels.available()
     )
     return attend_torch(
         query, k_cache, v_cache, meta, scale, sliding_window, softcap, decode_kernel=decode_kernel
     )
+
+
+def _slots_in_range(meta: AttentionMetadata, k_cache: torch.Tensor) -> bool:
+    """Whether every slot of the step lies inside the pools (checked once per step)."""
+    in_range = meta.derived.get("slots_in_range")
+    if in_range is None:
+        slots = meta.slot_mapping
+        capacity = k_cache.shape[0] * k_cache.shape[1]
+        in_range = meta.derived["slots_in_range"] = bool(
+            slots.numel() and int(slots.min()) >= 0 and int(slots.max()) < capacity
+        )
+    return in_range
 
 
 def _auto_backend(query: torch.Tensor) -> str:

@@ -252,3 +252,22 @@ def test_few_sequences_split_by_kv_head(q_heads, kv_heads, dtype):
             batch.meta.seq_lens, 0.2, 50, None, threads,
         )  # fmt: skip
         torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=1e-5)
+
+
+def test_c_cache_write_matches_index_copy_for_strided_rows() -> None:
+    """K and V arrive as strided views of the fused qkv rows; slots are scattered."""
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler")
+    generator = torch.Generator().manual_seed(3)
+    tokens, q_heads, kv_heads, head_dim = 5, 6, 2, 8
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=generator)
+    key = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, -1)
+    value = qkv[:, (q_heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([37, 2, 16, 63, 0])
+    caches = [torch.zeros(4, 16, kv_heads, head_dim) for _ in range(4)]
+    assert cpu_kernels.write_kv_cache(key, value, caches[0], caches[1], slots)
+    write_kv_cache_torch(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    narrow = torch.zeros(4, 16, kv_heads, head_dim, dtype=torch.bfloat16)
+    assert not cpu_kernels.write_kv_cache(key, value, narrow, narrow.clone(), slots)
+    assert not narrow.any()  # refused: nothing written, the torch path converts instead

@@ -124,6 +124,31 @@ def paged_decode_attention(
     return out.to(query.dtype)
 
 
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Copy key/value [T, Hkv, D] into their slots of the pools as one C call each; False (and
+    nothing written) when the tensors are not plain same-dtype CPU rows: the caller uses torch.
+    The caller guarantees every slot lies inside the pools (memcpy checks nothing)."""
+    lib = load()
+    if lib is None or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
+        return False
+    row = k_cache.shape[2] * k_cache.shape[3]
+    for src in (key, value):
+        if src.device.type != "cpu" or src.stride(2) != 1 or src.stride(1) != src.shape[2]:
+            return False
+    row_bytes = row * k_cache.element_size()
+    slots = slot_mapping.data_ptr()
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        stride = src.stride(0) * src.element_size()
+        lib.scatter_rows(src.data_ptr(), stride, cache.data_ptr(), slots, src.shape[0], row_bytes)
+    return True
+
+
 def _check(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -177,6 +202,8 @@ def _build_and_load() -> ctypes.CDLL | None:
     lib.add_rms_norm_f32.restype = None
     lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.rope_f32.restype = None
+    lib.scatter_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64]
+    lib.scatter_rows.restype = None
     return lib
 
 

@@ -1,5 +1,6 @@
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* x += delta (when delta is given), then out = x / rms(x) * weight, row by row. */
 void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out,
@@ -46,4 +47,12 @@ void rope_f32(float *qk, int64_t stride, const float *cos, const float *sin, int
             }
         }
     }
+}
+
+/* dst row slots[t] = src row t (row_bytes each; src rows row_stride bytes apart): the new tokens'
+   K or V written into their cache slots. */
+void scatter_rows(const char *src, int64_t src_row_stride, char *dst, const int64_t *slots,
+                  int64_t rows, int64_t row_bytes) {
+    for (int64_t t = 0; t < rows; t++)
+        memcpy(dst + slots[t] * row_bytes, src + t * src_row_stride, (size_t)row_bytes);
 }

@@ -191,6 +191,21 @@ static void attend_sequence(const float *q, const Pool *k_pool, const Pool *v_po
     }
 }
 
+/* Per-thread scratch kept across calls and grown on demand: a fresh malloc of a few hundred KiB
+ * per call is an mmap + page faults + munmap, ~10 us, more than a batch-1 layer's attention. The
+ * threads are torch's OpenMP pool (and the engine's caller thread), so there are a handful. */
+static float *thread_scratch(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (floats > capacity) {
+        float *grown = realloc(buffer, floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        buffer = grown;
+        capacity = floats;
+    }
+    return buffer;
+}
+
 /* query/out fp32 [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D], fp32 or (kv_bf16)
  * bfloat16; block_tables int32 [B, table_stride]; seq_lens int32 [B] (including the current
  * token, already in the cache). window > 0: keys j with seq_len - 1 - window < j only;
@@ -218,7 +233,7 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tasks > 1)
     {
-        float *scores = malloc(scratch * sizeof(float));
+        float *scores = thread_scratch(scratch);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -233,7 +248,6 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
                             h_begin + heads_per_task, kv_heads, group, head_dim, block_size,
                             scale, window, softcap);
         }
-        free(scores);
     }
     return failed ? -1 : 0;
 }
