@@ -18,6 +18,7 @@ from engine.async_engine import AsyncEngine
 from engine.cli import ServerOptions
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError
+from engine.http_errors import JsonErrorRunner
 from engine.metrics import CONTENT_TYPE
 
 log = logging.getLogger("engine.server")
@@ -30,6 +31,9 @@ SETTINGS_KEY = web.AppKey("settings", "ServerSettings")
 class ServerSettings:
     served_model_names: list[str]
     max_body_bytes: int = 4 * 2**20
+    # Request line and each header field; aiohttp's default, ample for an API (the gateway
+    # forwards only a few short headers). Longer gets a JSON 431 from EngineRunner.
+    max_header_bytes: int = 8190
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -38,6 +42,7 @@ _STATUS_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     500: "internal_error",
     503: "service_unavailable_error",
 }
@@ -54,6 +59,10 @@ def error_response(
         message, error_type or _STATUS_TYPES.get(status, "error"), param, code
     )
     return web.json_response(body, status=status)
+
+
+def _error_bytes(status: int, message: str, code: str) -> bytes:
+    return json.dumps(protocol.error_body(message, _STATUS_TYPES[status], code=code)).encode()
 
 
 class ModelNotFoundError(EngineError):
@@ -269,7 +278,14 @@ async def detokenize(request: web.Request) -> web.Response:
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
     """The aiohttp app; the caller starts ``engine`` (see engine.__main__) and owns its lifetime."""
     # aiohttp enforces client_max_size while reading; _read_json turns it into a 413 error body.
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[openai_errors],
+        handler_args={
+            "max_line_size": settings.max_header_bytes,
+            "max_field_size": settings.max_header_bytes,
+        },
+    )
     app[ENGINE_KEY] = engine
     app[SETTINGS_KEY] = settings
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -295,6 +311,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application
 # ---- process entry point -------------------------------------------------------------------
 
 
+class EngineRunner(JsonErrorRunner):
+    """``web.AppRunner`` whose parser-level refusals (oversized headers, malformed HTTP) are
+    OpenAI-shaped JSON too, not aiohttp's plain text."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, error_body=_error_bytes, name="engine", log=log, **kwargs)
+
+
 def serve(config: EngineConfig, options: ServerOptions) -> int:
     """Run the server until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if loading failed."""
     logging.basicConfig(
@@ -310,7 +334,7 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
         lambda: EngineCore(config), config.served_model_names[0], max_queue=config.max_queue
     )
     app = create_app(engine, ServerSettings(config.served_model_names, options.max_body_bytes))
-    runner = web.AppRunner(
+    runner = EngineRunner(
         app,
         handler_cancellation=True,  # a client disconnect cancels its handler, which aborts
         shutdown_timeout=5.0,  # for handlers still writing after engine.drain() ended them

@@ -154,14 +154,23 @@ def linear_pass(core: EngineCore, modules: list[nn.Module], batch: int, packed: 
     return run
 
 
+def timed_step(core: EngineCore) -> float:
+    device = core.runner.device
+    sync(device)
+    started = time.perf_counter()
+    core.step()
+    sync(device)
+    return time.perf_counter() - started
+
+
 def bench_limit(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     core = make_core(args, max_num_seqs=max(batches))
     core.runner.time_attention = True
     linears = model_linears(core)
-    device = core.runner.device
     rng = random.Random(args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.limit_steps + 8, ignore_eos=True)
+    total_steps = args.limit_rounds * (args.limit_steps + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=total_steps + 8, ignore_eos=True)
     results = []
     for batch in batches:
         for i in range(batch):
@@ -178,23 +187,23 @@ def bench_limit(args: argparse.Namespace) -> dict:
         core.step()
         packed_pass = linear_pass(core, linears, batch, packed=True)
         plain_pass = linear_pass(core, linears, batch, packed=False)
-        # Interleaved so that load from other processes hits all three alike; medians.
+        # Steady state of each, in alternating blocks so that load from other processes hits all
+        # three alike: a block of consecutive engine steps, then of bare linear passes, then of
+        # plain F.linear passes; the first of each block is a warm-up (caches hold the previous
+        # block's data). Medians of the rest.
         steps, packed, plain = [], [], []
         core.timings.reset()
-        for _ in range(args.limit_steps):
-            sync(device)
-            started = time.perf_counter()
-            core.step()
-            sync(device)
-            steps.append(time.perf_counter() - started)
-            packed.append(packed_pass())
-            plain.append(plain_pass())
-        t = core.timings
-        assert t.steps == args.limit_steps
+        for _ in range(args.limit_rounds):
+            for samples, run in ((steps, lambda: timed_step(core)), (packed, packed_pass),
+                                 (plain, plain_pass)):  # fmt: skip
+                run()
+                samples.extend(run() for _ in range(args.limit_steps))
+        t = core.timings  # every step of the blocks, warm-ups included
+        assert t.steps == total_steps
         for i in range(batch):
             core.abort(f"limit-{batch}-{i}")
         step_s, linear_s = statistics.median(steps), statistics.median(packed)
-        n = args.limit_steps
+        n = t.steps
         forward_s = t.forward_s / n
         row = {
             "batch": batch,
@@ -203,7 +212,7 @@ def bench_limit(args: argparse.Namespace) -> dict:
             "bare_linears_ms": round(linear_s * 1e3, 2),
             "f_linear_unpacked_ms": round(statistics.median(plain) * 1e3, 2),
             "step_over_linears": round(step_s / linear_s, 3),
-            "breakdown_ms_mean": {
+            "breakdown_ms_mean": {  # over all steps, block warm-ups included
                 "step": round(statistics.mean(steps) * 1e3, 2),
                 "forward_total": round(forward_s * 1e3, 2),
                 "forward_linears": round(statistics.mean(packed) * 1e3, 2),
@@ -464,7 +473,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--limit-context", type=int, default=128)
-    p.add_argument("--limit-steps", type=int, default=10)
+    p.add_argument("--limit-steps", type=int, default=8, help="timed steps per block")
+    p.add_argument("--limit-rounds", type=int, default=3, help="blocks of each kind")
     p.add_argument("--hf-requests", type=int, default=16)
     p.add_argument("--hf-prompt-len", type=int, default=64)
     p.add_argument("--hf-output-len", type=int, default=128)

@@ -17,7 +17,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine
-from engine.server import ServerSettings, create_app
+from engine.server import EngineRunner, ServerSettings, create_app
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,8 @@ def free_port() -> int:
 
 
 class InProcessServer:
-    """AsyncEngine + app served on 127.0.0.1 in the test's own event loop."""
+    """AsyncEngine + app served on 127.0.0.1 in the test's own event loop, by the runner that
+    ``python -m engine`` uses."""
 
     def __init__(
         self,
@@ -40,7 +41,7 @@ class InProcessServer:
     ) -> None:
         self.engine = AsyncEngine(core_factory, names[0], max_queue=max_queue)
         self.app = create_app(self.engine, ServerSettings(names, max_body_bytes))
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=2.0)
+        self.runner = EngineRunner(self.app, handler_cancellation=True, shutdown_timeout=2.0)
         self.url = ""
 
     async def start(self, wait_loaded: bool = True) -> InProcessServer:

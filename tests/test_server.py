@@ -478,7 +478,8 @@ async def test_sigterm_past_the_grace_period_ends_streams_in_band(tiny_llama_dir
     flags = ("--kv-cache-memory", "16MiB", "--shutdown-timeout", "1", "--num-threads", "1")
     proc = EngineProcess(tiny_llama_dir, *flags).wait_ready()
     try:
-        body = chat_body("Hello", max_tokens=900, ignore_eos=True, stream=True)
+        # 16 choices of ~1000 tokens: more work than the tiny model finishes within the 1 s grace
+        body = chat_body("Hello", max_tokens=1000, n=16, ignore_eos=True, stream=True)
         async with aiohttp.ClientSession() as session:
             async with session.post(proc.url + CHAT, json=body) as reply:
                 await reply.content.readline()

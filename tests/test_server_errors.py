@@ -9,8 +9,11 @@ import threading
 
 import aiohttp
 import pytest
+from aiohttp import web
 
+from engine.server import EngineRunner
 from tests.fake_core import FakeCore
+from tests.raw_http import assert_openai_error, raw_exchange
 from tests.server_utils import InProcessServer
 from tests.tiny_models import build_tokenizer
 
@@ -155,6 +158,66 @@ async def test_unknown_route_and_method_use_openai_shape(server):
         async with session.get(server.url + CHAT) as reply:
             assert reply.status == 405
             _assert_error(await reply.json())
+
+
+async def test_oversized_head_is_json_431(server):
+    # aiohttp's parser refuses these before any middleware: the runner answers, not the app.
+    big_header = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"
+    long_line = b"GET /" + b"p" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(200))  # aiohttp's cap is 128 lines
+    too_many = b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n"
+    for request in (big_header, long_line, too_many):
+        status, headers, body = await raw_exchange(server.url, request)
+        assert status == 431
+        assert_openai_error(headers, body, "request_header_fields_too_large")
+        message = json.loads(body)["error"]["message"]
+        assert "engine's limit of 8190 bytes" in message and b"aaaa" not in body
+
+    # Just under the limit goes the normal way.
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(server.url + "/health", headers={"X-Big": "a" * 8000}) as reply,
+    ):
+        assert reply.status == 200
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /health HTTP/1.1 extra\r\nHost: x\r\n\r\n",  # malformed request line
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header Name: v\r\n\r\n",
+    ],
+)
+async def test_malformed_http_is_json_400(server, request_bytes):
+    status, headers, body = await raw_exchange(server.url, request_bytes)
+    assert status == 400
+    assert_openai_error(headers, body, "invalid_http_request")
+
+
+async def test_error_escaping_the_app_is_json_500():
+    async def broken(request: web.Request) -> web.Response:
+        raise RuntimeError("bug")
+
+    app = web.Application()  # no openai_errors middleware: the error reaches the runner
+    app.router.add_get("/broken", broken)
+    runner = EngineRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        status, headers, body = await raw_exchange(
+            f"http://{host}:{port}", b"GET /broken HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+    finally:
+        await runner.cleanup()
+    assert status == 500 and headers["content-type"].startswith("application/json")
+    error = json.loads(body)["error"]
+    assert error == {
+        "message": "Internal engine error.",
+        "type": "internal_error",
+        "param": None,
+        "code": "internal_error",
+    }
 
 
 async def test_body_over_limit_is_413(server):

@@ -3,12 +3,12 @@ text), upstream back-off hints passed through, and the Prometheus service-discov
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from gateway.admin import _external_target
 from tests.gateway.conftest import fleet
 from tests.gateway.test_auth_limits import KEYS, bearer, keyed_fleet
+from tests.raw_http import assert_openai_error, raw_exchange
 
 RATE_HINTS = {
     "Retry-After": "7",
@@ -17,33 +17,6 @@ RATE_HINTS = {
     "x-ratelimit-remaining-requests": "0",
     "x-ratelimit-reset-requests": "6.5s",
 }
-
-
-async def raw_exchange(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    """Sends bytes as they are (no client library tidies them up) and reads one answer."""
-    host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        writer.write(request)
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), 5)  # the gateway closes after an error
-    finally:
-        writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in header_lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return int(status_line.split()[1]), headers, body
-
-
-def assert_openai_error(headers: dict[str, str], body: bytes, code: str) -> None:
-    assert headers["content-type"].startswith("application/json")
-    assert headers.get("connection", "").lower() == "close"
-    error = json.loads(body)["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == code and error["type"] == "invalid_request_error"
 
 
 async def test_oversized_header_gets_json_431(start_gateway, fresh_upstreams):
