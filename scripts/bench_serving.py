@@ -410,17 +410,19 @@ def run_offline(
     return report(results, duration, extra), core
 
 
-def hf_model_dir(engine_args: list[str]) -> Path:
+def hf_model(engine_args: list[str]) -> tuple[Path, str]:
+    """The engine's model as transformers loads it: folder (a GGUF's converted copy) and dtype."""
     from engine.cli import parse_args
-    from engine.loader import converted_gguf_dir, split_source
+    from engine.loader import converted_gguf_dir, resolve_device, resolve_dtype, split_source
 
     config, _ = parse_args(engine_args)
     path, gguf = split_source(config.model, config.gguf_file)
-    return converted_gguf_dir(path / gguf) if gguf else path
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+    return (converted_gguf_dir(path / gguf) if gguf else path), str(dtype).removeprefix("torch.")
 
 
 def run_hf_static(
-    model_dir: Path, specs: list[RequestSpec], batch: int, max_seconds: float
+    model: tuple[Path, str], specs: list[RequestSpec], batch: int, max_seconds: float
 ) -> dict:
     """transformers generate() with static batches of ``batch`` prompts, one after another (left
     padded, greedy). A static batch runs until its longest request is done, so only the tokens
@@ -428,16 +430,15 @@ def run_hf_static(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    model_dir, dtype = model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     with torch.inference_mode():  # warm-up: first calls pay one-off allocation costs
         warm = tokenizer(["warm up"], return_tensors="pt")
-        model.generate(
-            **warm, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
+        hf.generate(**warm, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     results: list[RequestResult] = []
     started = time.perf_counter()
     deadline = started + max_seconds
@@ -449,7 +450,7 @@ def run_hf_static(
         inputs = tokenizer([s.prompt for s in group], return_tensors="pt", padding=True)
         begin = time.perf_counter()
         with torch.inference_mode():
-            model.generate(
+            hf.generate(
                 **inputs,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
@@ -469,7 +470,7 @@ def run_hf_static(
                 )
             )
     duration = time.perf_counter() - started
-    return report(results, duration, {"mode": "hf-static-batch", "batch": batch})
+    return report(results, duration, {"mode": "hf-static-batch", "batch": batch, "dtype": dtype})
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -599,16 +600,16 @@ def _baselines(
             baselines.append(run)
             print(json.dumps(_brief(run)), file=sys.stderr)
     if args.baseline_hf:
-        model_dir = hf_model_dir(engine_args)
+        model = hf_model(engine_args)
         for c in concurrencies:  # one static batch of the same first c prompts
             if c <= args.hf_max_batch and c <= len(specs):
                 run_specs = tagged(specs[:c], f"c{c}")
-                baselines.append(run_hf_static(model_dir, run_specs, c, args.max_seconds))
+                baselines.append(run_hf_static(model, run_specs, c, args.max_seconds))
                 print(json.dumps(_brief(baselines[-1])), file=sys.stderr)
         if rate_runs:  # the whole request set the rate runs sent, in static batches
             sent = max(run["sent"] for run in rate_runs)
             run_specs = tagged(specs[:sent], "rate")
-            run = run_hf_static(model_dir, run_specs, args.hf_batch, args.max_seconds)
+            run = run_hf_static(model, run_specs, args.hf_batch, args.max_seconds)
             run["for"] = "request-rate runs"
             baselines.append(run)
             print(json.dumps(_brief(run)), file=sys.stderr)
