@@ -93,6 +93,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loaded: asyncio.Future | None = None
+        self._died: asyncio.Event | None = None
         self._requests: dict[str, _Request] = {}
         self._pending_adds = 0  # adds sent to the thread and not yet handed to the core
         self._stats: Any = None  # latest core.stats(), replaced (never mutated) by the thread
@@ -109,6 +110,7 @@ class AsyncEngine:
         """Start the engine thread; it loads the model, then runs the step loop."""
         self._loop = asyncio.get_running_loop()
         self._loaded = self._loop.create_future()
+        self._died = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -116,6 +118,13 @@ class AsyncEngine:
         """Return once the model is loaded; re-raise the load error if loading failed."""
         assert self._loaded is not None, "start() first"
         await asyncio.shield(self._loaded)
+
+    async def wait_dead(self) -> BaseException:
+        """Return the error that ended the step loop, once it has (after a successful load)."""
+        assert self._died is not None, "start() first"
+        await self._died.wait()
+        assert self.dead is not None
+        return self.dead
 
     @property
     def is_ready(self) -> bool:
@@ -272,6 +281,8 @@ class AsyncEngine:
         for request in self._requests.values():
             request.finished = True
             request.queue.put_nowait(failure)
+        assert self._died is not None
+        self._died.set()
 
     # ---- engine thread -----------------------------------------------------------------------
 

@@ -370,6 +370,17 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
     elif loaded.done():
         _log_loaded(engine, time.monotonic() - started)
         log.info("ready")
+        # A dead step loop cannot recover in this process: exit non-zero so that a supervisor
+        # (the gateway's pool, systemd, Kubernetes) starts a fresh one.
+        died = asyncio.ensure_future(engine.wait_dead())
+        await asyncio.wait([died, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if died.done():
+            error = died.result()
+            log.error("engine loop died (%s: %s): exiting", type(error).__name__, error)
+            code = 1
+        died.cancel()
+    if not stopping.done():
+        stop.set()
     await stopping
     loaded.cancel()
     log.info(

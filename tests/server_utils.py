@@ -62,15 +62,19 @@ class InProcessServer:
 class EngineProcess:
     """``python -m engine`` on a free port; ``stop()`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, model: Path | str, *extra: str, names: tuple[str, ...] = ("tiny",)) -> None:
+    def __init__(
+        self,
+        model: Path | str,
+        *extra: str,
+        names: tuple[str, ...] = ("tiny",),
+        launcher: tuple[str, ...] = (sys.executable, "-m", "engine"),
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"engine-{self.port}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (kept open for the process lifetime)
         cmd = [
-            sys.executable,
-            "-m",
-            "engine",
+            *launcher,
             "--model",
             str(model),
             "--port",

@@ -552,3 +552,48 @@ def test_cli_bad_values_one_line_exit_2(args):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+_FAILING_ENGINE = """
+import sys
+import engine.core
+from engine.cli import main
+
+steps = 0
+original = engine.core.EngineCore.step
+
+
+def failing_step(self):
+    global steps
+    steps += 1
+    if steps > 3:
+        raise RuntimeError("injected step failure")
+    return original(self)
+
+
+engine.core.EngineCore.step = failing_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+async def test_engine_process_exits_nonzero_when_its_loop_dies(tiny_llama_dir, tmp_path):
+    """A supervisor (the gateway's pool) restarts engines whose process exits; a dead loop must
+    not leave a live process that can never serve again."""
+    script = tmp_path / "failing_engine.py"
+    script.write_text(_FAILING_ENGINE)
+    launcher = (sys.executable, str(script))
+    proc = EngineProcess(tiny_llama_dir, "--num-threads", "1", launcher=launcher)
+    try:
+        proc.wait_ready()
+        body = chat_body("Hello", max_tokens=20, ignore_eos=True)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(proc.url + CHAT, json=body) as reply,
+        ):
+            assert reply.status == 500
+            assert (await reply.json())["error"]["type"] == "internal_error"
+        code = await asyncio.get_running_loop().run_in_executor(None, proc.proc.wait, 30)
+        assert code == 1, proc.log()
+        assert "engine loop died" in proc.log()
+    finally:
+        proc.stop()
