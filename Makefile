@@ -42,7 +42,12 @@ bench: $(STAMP) $(MODEL)
 	$(PY) scripts/bench_engine.py --out bench-results/engine.json
 	$(PY) scripts/bench_serving.py --serve "--model $(MODEL) --served-model-name smollm2 \
 		--max-num-seqs 32 --kv-cache-memory 1GiB" --concurrency 1,4,16,32 --output-len 128 \
-		--offline --baseline-hf --out bench-results/serving.json
+		--num-requests 32 --max-seconds 60 --offline --baseline-hf --out bench-results/serving.json
+	# bf16 weights: fast where the CPU has AVX512-BF16 or AMX (prepacked oneDNN GEMMs), slow elsewhere
+	$(PY) scripts/bench_serving.py --serve "--model $(MODEL) --served-model-name smollm2 \
+		--max-num-seqs 32 --kv-cache-memory 1GiB --dtype bfloat16" --concurrency 1,4,16,32 \
+		--output-len 128 --num-requests 32 --max-seconds 60 --offline --baseline-hf \
+		--out bench-results/serving-bf16.json
 	$(PY) scripts/bench_gateway.py --out bench-results/gateway.json
 
 lint: $(STAMP)
