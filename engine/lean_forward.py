@@ -89,9 +89,8 @@ class LeanLlamaForward:
         ``attend`` is the runner's paged attention of one layer (it owns the caches and metadata).
         """
         ops = self.ops
-        x = self.embed(
-            input_ids
-        )  # [T, hidden], a fresh tensor: the residual stream, updated in place
+        # [T, hidden], a fresh tensor: the residual stream, which the norms update in place
+        x = self.embed(input_ids)
         cos, sin = self.rotary(x, positions[None])
         rotary = ops.rotary_tables(cos[0], sin[0])
         tokens = x.shape[0]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.cpu_threads import threads_for
+from engine.cpu_threads import all_threads, threads_for
 
 # Elements from which a fused op runs on every thread of the split_threads section.
 _PARALLEL_ELEMENTS = 1 << 16
@@ -97,4 +97,8 @@ class FusedOps:
 
 
 def _threads(elements: int) -> int:
-    return max(1, threads_for(elements, _PARALLEL_ELEMENTS))
+    """Inside split_threads: its count for big ops, else 1. Outside (decode-sized steps run
+    everything on every thread, prefill-sized ones too): torch's count for big ops."""
+    if all_threads():
+        return max(1, threads_for(elements, _PARALLEL_ELEMENTS))
+    return torch.get_num_threads() if elements >= _PARALLEL_ELEMENTS else 1
