@@ -41,9 +41,10 @@ _ELEMENTWISE_GRAIN = 32768
 _ELEMENTWISE_PARALLEL = 256 * 576
 # Largest logit difference, relative to the largest logit, at which the lean forward counts as the
 # same computation as transformers' (reordered sums differ by ~1e-6 relative in fp32; in bf16 every
-# rounding of an activation is worth ~4e-3). A structural mistake (rotary, norm, residual) moves
-# logits by a large fraction of their scale.
-_LEAN_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+# rounding of an activation is worth ~4e-3, and SmolLM2's 30 layers drifted by 0.97 of a largest
+# logit of 29.8). A structural mistake (rotary, norm, residual) moves logits by a large fraction of
+# their scale.
+_LEAN_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
 
 
 @dataclass
@@ -291,10 +292,17 @@ class ModelRunner:
         tolerance = max(_LEAN_TOLERANCE.get(dtype, 0.0) for dtype in dtypes)
         if worst > tolerance * max(1.0, scale):
             log.warning(
-                "lean forward differs from transformers' (max |logit diff| %.2e): not used", worst
+                "lean forward differs from transformers' (max |logit diff| %.2e, largest logit "
+                "%.1f): not used",
+                worst,
+                scale,
             )
             return None
-        log.info("lean forward in use (max |logit diff| vs transformers %.1e)", worst)
+        log.info(
+            "lean forward in use (max |logit diff| vs transformers %.1e, largest logit %.1f)",
+            worst,
+            scale,
+        )
         return lean
 
     # ------------------------------------------------------------------------ one step

@@ -128,9 +128,13 @@ def linear_pass(core: EngineCore, modules: list[nn.Module], batch: int, packed: 
     """A callable timing one pass over every linear at ``batch`` rows (one decode step's GEMMs):
     through the engine's own modules under the engine's thread policy (``packed``), or plain
     F.linear on unpacked weights of the same shapes on all threads."""
-    device = core.runner.device
-    weights = [torch.randn(m.out_features, m.in_features, device=device) for m in modules]
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device) for w in weights}
+    device, dtype = core.runner.device, core.runner.loaded.dtype
+    weights = [
+        torch.randn(m.out_features, m.in_features, device=device, dtype=dtype) for m in modules
+    ]
+    inputs = {
+        w.shape[1]: torch.randn(batch, w.shape[1], device=device, dtype=dtype) for w in weights
+    }
     calls = [
         (lambda m=m: m(inputs[m.in_features]))
         if packed

@@ -22,51 +22,69 @@ def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+# (rtol, atol): fp32 reorders a sum; bf16 rounds each result once (one bf16 ulp is 2**-8).
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (8e-3, 8e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 300])
 @pytest.mark.parametrize("with_delta", [True, False])
 @pytest.mark.parametrize("split", [False, True])
-def test_add_rms_norm_matches_torch(rows: int, with_delta: bool, split: bool) -> None:
+def test_add_rms_norm_matches_torch(
+    dtype: torch.dtype, rows: int, with_delta: bool, split: bool
+) -> None:
     generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 576, generator=generator) * 3
-    delta = torch.randn(rows, 576, generator=generator) if with_delta else None
-    weight = torch.randn(576, generator=generator)
-    expected_x = x + delta if with_delta else x.clone()
-    expected = F.rms_norm(expected_x, (576,), weight, 1e-5)
-    kernel, fallback = (
-        FusedOps(torch.float32, torch.device("cpu")),
-        FusedOps(torch.bfloat16, x.device),
-    )
-    assert kernel.uses_kernels and not fallback.uses_kernels
+    x = (torch.randn(rows, 576, generator=generator) * 3).to(dtype)
+    delta = torch.randn(rows, 576, generator=generator).to(dtype) if with_delta else None
+    weight = torch.randn(576, generator=generator).to(dtype)
+    # fp32 math on the same inputs, the residual rounded to the dtype as the model's add is
+    expected_x = (x.float() + delta.float()).to(dtype) if with_delta else x.clone()
+    expected = F.rms_norm(expected_x.float(), (576,), weight.float(), 1e-5)
+    kernel = FusedOps(dtype, torch.device("cpu"))
+    assert kernel.uses_kernels
     x_kernel, x_torch = x.clone(), x.clone()
     with split_threads(2) if split else contextlib.nullcontext():
         got = kernel.add_rms_norm(x_kernel, delta, weight, 1e-5)
+    rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(x_kernel, expected_x)  # the residual stream is updated in place
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(_torch_ops().add_rms_norm(x_torch, delta, weight, 1e-5), expected)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=rtol, atol=atol)
+    fallback = _torch_ops(dtype).add_rms_norm(x_torch, delta, weight, 1e-5)
+    # torch's bf16 RMSNorm rounds in between: a few bf16 ulps
+    torch.testing.assert_close(fallback.float(), expected, rtol=4 * rtol, atol=4 * atol)
     torch.testing.assert_close(x_torch, expected_x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7, 200])
 @pytest.mark.parametrize("head_dim", [64, 24])
-def test_rope_rotates_q_and_k_heads_in_place_and_leaves_v(tokens: int, head_dim: int) -> None:
+def test_rope_rotates_q_and_k_heads_in_place_and_leaves_v(
+    dtype: torch.dtype, tokens: int, head_dim: int
+) -> None:
     generator = torch.Generator().manual_seed(tokens + head_dim)
     heads, v_heads = 12, 3
-    qkv = torch.randn(tokens, (heads + v_heads) * head_dim, generator=generator)
+    qkv = torch.randn(tokens, (heads + v_heads) * head_dim, generator=generator).to(dtype)
     angles = torch.rand(tokens, head_dim // 2, generator=generator) * 6
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    expected = rotate_reference(qk, cos, sin)
+    expected = rotate_reference(qk.float(), cos.float(), sin.float())
     v_before = qkv[:, heads * head_dim :].clone()
-    for ops in (FusedOps(torch.float32, torch.device("cpu")), _torch_ops()):
+    rtol, atol = TOLERANCE[dtype]
+    kernel = FusedOps(dtype, torch.device("cpu"))
+    assert kernel.uses_kernels
+    for ops in (kernel, _torch_ops(dtype)):
         work = qkv.clone()
         got = ops.rope(work, ops.rotary_tables(cos, sin), heads, head_dim)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert got.dtype == dtype
+        # torch's bf16 ops round after each op: up to a few bf16 ulps of the largest term
+        bound = (rtol, atol) if ops.uses_kernels else (4 * rtol, 4 * atol)
+        torch.testing.assert_close(got.float(), expected, rtol=bound[0], atol=bound[1])
         torch.testing.assert_close(work[:, heads * head_dim :], v_before)
 
 
-def _torch_ops() -> FusedOps:
-    """The torch fallback, in fp32."""
-    ops = FusedOps(torch.float32, torch.device("cpu"))
+def _torch_ops(dtype: torch.dtype = torch.float32) -> FusedOps:
+    """The torch fallback."""
+    ops = FusedOps(dtype, torch.device("cpu"))
     ops._lib = None
     return ops

@@ -198,10 +198,12 @@ def _build_and_load() -> ctypes.CDLL | None:
     fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64]
     fn.argtypes += [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
-    lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-    lib.add_rms_norm_f32.restype = None
-    lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    lib.rope_f32.restype = None
+    for suffix in ("f32", "bf16"):
+        norm, rope = getattr(lib, "add_rms_norm_" + suffix), getattr(lib, "rope_" + suffix)
+        norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+        norm.restype = None
+        rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        rope.restype = None
     lib.scatter_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64]
     lib.scatter_rows.restype = None
     return lib

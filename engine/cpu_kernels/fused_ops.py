@@ -1,10 +1,11 @@
-"""The lean forward's elementwise glue as single C calls (fp32 CPU), torch ops elsewhere.
+"""The lean forward's elementwise glue as single C calls (fp32/bf16 CPU), torch ops elsewhere.
 
 Between two GEMMs of a decode step each torch op costs ~10-60 us of dispatch here, much of it
 re-fetching code the GEMM's weight stream evicted from the caches; transformers' RMSNorm alone is ~6
 ops. One C call does the residual add and the norm, another the rotary embedding of every q/k head
 in place. The torch versions compute the same thing for the other dtypes and when no compiler is
-found.
+found. (bf16: the C versions compute in fp32 and round each result once, where torch's bf16 ops
+round after every op; the lean forward's load-time check bounds the difference.)
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ from engine.cpu_threads import all_threads, threads_for
 _PARALLEL_ELEMENTS = 1 << 16
 
 
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 class FusedOps:
     """``add_rms_norm`` and ``rope`` for tensors of one dtype on one device."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        use_kernels = device.type == "cpu" and dtype == torch.float32
-        self._lib = cpu_kernels.load() if use_kernels else None
+        suffix = _SUFFIXES.get(dtype) if device.type == "cpu" else None
+        self._lib = cpu_kernels.load() if suffix else None
+        if self._lib is not None:
+            self._norm = getattr(self._lib, "add_rms_norm_" + suffix)
+            self._rope = getattr(self._lib, "rope_" + suffix)
 
     @property
     def uses_kernels(self) -> bool:
@@ -43,7 +50,7 @@ class FusedOps:
             delta = delta.contiguous()
         out = torch.empty_like(x)
         rows, hidden = x.shape
-        self._lib.add_rms_norm_f32(
+        self._norm(
             x.data_ptr(),
             None if delta is None else delta.data_ptr(),
             weight.data_ptr(),
@@ -83,7 +90,7 @@ class FusedOps:
         if self._lib is None:
             swapped = qk.view(tokens, heads, 2, head_dim // 2).flip(2).view_as(qk)
             return torch.addcmul(qk * cos, swapped, sin)
-        self._lib.rope_f32(
+        self._rope(
             qkv.data_ptr(),
             qkv.stride(0),
             cos.data_ptr(),
