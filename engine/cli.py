@@ -22,6 +22,7 @@ class ServerOptions:
     max_body_bytes: int
     shutdown_timeout: float
     log_level: str
+    max_header_bytes: int = 8190
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
          "turn prefix caching off"),
         ("--max-body-bytes", {"type": _size, "default": 4 * 2**20, "metavar": "SIZE"},
          "larger request bodies get 413 (default %(default)s)"),
+        ("--max-header-bytes", {"type": _size, "default": 8190, "metavar": "SIZE"},
+         "longer request lines or header fields get 431 (default %(default)s)"),
         ("--shutdown-timeout", {"type": float, "default": 30.0, "metavar": "S"},
          "seconds in-flight requests get to finish after SIGTERM (default %(default)s)"),
         ("--log-level", {"choices": ["debug", "info", "warning", "error"], "default": "info",
@@ -175,7 +178,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptio
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
     options = ServerOptions(
-        args.host, args.port, args.max_body_bytes, args.shutdown_timeout, args.log_level
+        args.host,
+        args.port,
+        args.max_body_bytes,
+        args.shutdown_timeout,
+        args.log_level,
+        args.max_header_bytes,
     )
     return config, options
 

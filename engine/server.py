@@ -333,7 +333,12 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
     engine = AsyncEngine(
         lambda: EngineCore(config), config.served_model_names[0], max_queue=config.max_queue
     )
-    app = create_app(engine, ServerSettings(config.served_model_names, options.max_body_bytes))
+    settings = ServerSettings(
+        config.served_model_names,
+        options.max_body_bytes,
+        max_header_bytes=options.max_header_bytes,
+    )
+    app = create_app(engine, settings)
     runner = EngineRunner(
         app,
         handler_cancellation=True,  # a client disconnect cancels its handler, which aborts

@@ -19,6 +19,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tests.raw_http import assert_openai_error, raw_exchange
 from tests.server_utils import REPO_ROOT, EngineProcess
 
 pytestmark = pytest.mark.timeout(240)
@@ -527,6 +528,7 @@ def test_cli_help_has_one_line_per_flag():
         "--device",
         "--seed",
         "--max-queue",
+        "--max-header-bytes",
         "--enable-prefix-caching",
         "--no-enable-prefix-caching",
     ):
@@ -595,5 +597,23 @@ async def test_engine_process_exits_nonzero_when_its_loop_dies(tiny_llama_dir, t
         code = await asyncio.get_running_loop().run_in_executor(None, proc.proc.wait, 30)
         assert code == 1, proc.log()
         assert "engine loop died" in proc.log()
+    finally:
+        proc.stop()
+
+
+async def test_max_header_bytes_flag_sets_the_431_limit(tiny_llama_dir):
+    proc = EngineProcess(tiny_llama_dir, "--num-threads", "1", "--max-header-bytes", "1KiB")
+    try:
+        proc.wait_ready()
+        request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1500 + b"\r\n\r\n"
+        status, headers, body = await raw_exchange(proc.url, request)
+        assert status == 431
+        assert_openai_error(headers, body, "request_header_fields_too_large")
+        assert "limit of 1024 bytes" in json.loads(body)["error"]["message"]
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(proc.url + "/health", headers={"X-Small": "a" * 900}) as reply,
+        ):
+            assert reply.status == 200
     finally:
         proc.stop()
