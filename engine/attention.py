@@ -214,34 +214,18 @@ def attend_torch(
     groups = meta.derived.get("groups")
     if groups is None:
         groups = meta.derived["groups"] = _plan_groups(meta)
-    args = (query, k_cache, v_cache)
-    kwargs = {"scale": scale, "sliding_window": sliding_window, "softcap": softcap}
+
+    def attend(group: _Group) -> torch.Tensor:
+        kernel = decode_kernel and max(group.query_lens) == 1
+        attend_group = _attend_decode_kernel if kernel else _attend_group
+        return attend_group(query, k_cache, v_cache, group, meta, scale, sliding_window, softcap)
+
     if len(groups) == 1 and groups[0].rows is None:
-        return _attend_any(*args, groups[0], meta, decode_kernel=decode_kernel, **kwargs)
+        return attend(groups[0])
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
     for group in groups:
-        result = _attend_any(*args, group, meta, decode_kernel=decode_kernel, **kwargs)
-        out.index_copy_(0, group.rows, result)
+        out.index_copy_(0, group.rows, attend(group))
     return out
-
-
-def _attend_any(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: _Group,
-    meta: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    decode_kernel: bool,
-) -> torch.Tensor:
-    if decode_kernel and max(group.query_lens) == 1:
-        return _attend_decode_kernel(
-            query, k_cache, v_cache, group, meta, scale, sliding_window, softcap
-        )
-    return _attend_group(query, k_cache, v_cache, group, meta, scale, sliding_window, softcap)
 
 
 def _attend_decode_kernel(
