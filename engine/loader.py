@@ -32,10 +32,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
+from engine.file_hash import file_sha256
 
 log = logging.getLogger(__name__)
 
-_HASH_CHUNK = 8 * 2**20
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -98,14 +98,6 @@ def split_source(model: str, gguf_file: str | None) -> tuple[Path, str | None]:
             f"GGUF file {gguf_file!r} not found in {str(path)!r}", param="gguf_file"
         )
     return path, gguf_file
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _stat_key(path: Path) -> str:

