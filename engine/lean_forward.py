@@ -117,8 +117,9 @@ class LeanLlamaForward:
             delta = layer.down(F.silu(gate_up[:, :width]).mul_(gate_up[:, width:]))
         if sample_rows is None:
             return None
-        x = x.index_select(0, sample_rows) + delta.index_select(0, sample_rows)
-        return self.lm_head(ops.add_rms_norm(x, None, *self.final_norm))
+        rows = x.index_select(0, sample_rows)  # a copy: the norm's in-place add stays local
+        h = ops.add_rms_norm(rows, delta.index_select(0, sample_rows), *self.final_norm)
+        return self.lm_head(h)
 
 
 def _layer(layer: nn.Module) -> _Layer:
