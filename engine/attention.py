@@ -253,13 +253,56 @@ def _attend_decode_kernel(
         )
     tables, seq_lens, macs = inputs
     q = query if group.rows is None else query.index_select(0, group.rows)
-    # Inside split_threads: its count for big enough work, else 1; outside: torch's own count.
-    if all_threads():
-        threads = threads_for(macs, _KERNEL_PARALLEL_MACS)
-    else:
-        threads = torch.get_num_threads() if macs >= _KERNEL_PARALLEL_MACS else 1
     return cpu_kernels.paged_decode_attention(
-        q, k_cache, v_cache, tables, seq_lens, scale, sliding_window, softcap, max(1, threads)
+        q, k_cache, v_cache, tables, seq_lens, scale, sliding_window, softcap, _kernel_threads(macs)
+    )
+
+
+def _kernel_threads(macs: int) -> int:
+    """Threads of a C decode kernel call of ``macs`` multiply-adds per pass: inside split_threads
+    its count for big enough work, else 1; outside, torch's own count for big enough work."""
+    if all_threads():
+        return max(1, threads_for(macs, _KERNEL_PARALLEL_MACS))
+    return torch.get_num_threads() if macs >= _KERNEL_PARALLEL_MACS else 1
+
+
+def fused_decode_step(
+    meta: AttentionMetadata,
+    k_cache: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    q_heads: int,
+    dtype: torch.dtype,
+) -> cpu_kernels.DecodeStep | None:
+    """A decode-only step's per-layer rotary + cache write + attention as one C call each, when
+    the "cpu" backend serves this step (fp32 activations, fp32/bf16 CPU pools, every slot inside
+    the pools); None: the caller rotates q/k and calls `paged_attention`.
+
+    rotary: fp32 cos/sin [B, head_dim] of the step's tokens (rotate-half convention, as
+    engine.cpu_kernels.fused_ops.FusedOps.rope takes them)."""
+    choice = os.environ.get(BACKEND_ENV) or ("cpu" if k_cache.device.type == "cpu" else None)
+    if (
+        choice != "cpu"
+        or not meta.is_decode_only
+        or dtype != torch.float32
+        or k_cache.device.type != "cpu"
+        or k_cache.dtype not in (torch.float32, torch.bfloat16)
+        or not cpu_kernels.available()
+        or not _slots_in_range(meta, k_cache)
+    ):
+        return None
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    visible = sum(meta.seq_lens_cpu)  # sizes the thread count; a sliding window only shrinks it
+    return cpu_kernels.DecodeStep(
+        meta.block_tables,
+        meta.seq_lens,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        kv_dtype=k_cache.dtype,
+        num_threads=_kernel_threads(visible * q_heads * head_dim),
+        slots=meta.slot_mapping,
+        rotary=rotary,
     )
 
 

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels.fused_ops import FusedOps
+from engine.cpu_kernels.fused_ops import FusedOps, StepOps
 from engine.linear import FusedMember, PrepackedLinear
 
-# (layer, query [T, Hq, D], key, value [T, Hkv, D], scale, sliding window, softcap) -> [T, Hq, D]
-Attend = Callable[
-    [int, torch.Tensor, torch.Tensor, torch.Tensor, float, int | None, float | None], torch.Tensor
-]
+if TYPE_CHECKING:  # the runner imports this module
+    from engine.runner import StepContext
+
 
 # Architectures whose decoder layer is the plain pre-norm Llama block (with or without q/k/v bias).
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -60,6 +59,7 @@ class LeanLlamaForward:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.layers = [_layer(layer) for layer in inner.layers]
+        self.mlp_width = self.layers[0].down.in_features
         self.ops = FusedOps(self.embed.weight.dtype, self.embed.weight.device)
 
     @classmethod
@@ -81,13 +81,11 @@ class LeanLlamaForward:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attend: Attend,
+        attention: StepContext,
         sample_rows: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Fill the KV cache for every token; logits of ``sample_rows`` (None: no logits).
-
-        ``attend`` is the runner's paged attention of one layer (it owns the caches and metadata).
-        """
+        ``attention`` is the runner's paged attention of this step (it owns caches and metadata)."""
         ops = self.ops
         # [T, hidden], a fresh tensor: the residual stream, which the norms update in place
         x = self.embed(input_ids)
@@ -96,25 +94,31 @@ class LeanLlamaForward:
         tokens = x.shape[0]
         q_width = self.num_heads * self.head_dim
         qk_heads = self.num_heads + self.num_kv_heads
+        # decode steps on the C kernels: one call per layer instead of rope + write + attend
+        fused = None
+        if ops.uses_kernels:  # rotary is in the kernels' form
+            fused = attention.fused_decode(rotary, self.num_heads, x.dtype)
+        step_ops = StepOps(ops, x, self.mlp_width)
         delta = None  # the previous block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
-            h = ops.add_rms_norm(x, delta, *layer.input_norm)
+            h = step_ops.add_rms_norm(delta, *layer.input_norm)
             qkv = layer.qkv(h)
-            qk = ops.rope(qkv, rotary, qk_heads, self.head_dim)
-            v = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
-            attn = attend(
-                index,
-                qk[:, : self.num_heads],
-                qk[:, self.num_heads :],
-                v,
-                layer.scale,
-                layer.sliding_window,
-                None,
-            )
-            h = ops.add_rms_norm(x, layer.o_proj(attn.reshape(tokens, q_width)), *layer.post_norm)
-            gate_up = layer.gate_up(h)
-            width = gate_up.shape[-1] // 2
-            delta = layer.down(F.silu(gate_up[:, :width]).mul_(gate_up[:, width:]))
+            if fused is not None:
+                attn = fused(index, qkv, layer.scale, layer.sliding_window)
+            else:
+                qk = ops.rope(qkv, rotary, qk_heads, self.head_dim)
+                v = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, -1)
+                attn = attention.attend(
+                    index,
+                    qk[:, : self.num_heads],
+                    qk[:, self.num_heads :],
+                    v,
+                    layer.scale,
+                    layer.sliding_window,
+                    None,
+                )
+            h = step_ops.add_rms_norm(layer.o_proj(attn.reshape(tokens, q_width)), *layer.post_norm)
+            delta = layer.down(step_ops.silu_mul(layer.gate_up(h)))
         if sample_rows is None:
             return None
         rows = x.index_select(0, sample_rows)  # a copy: the norm's in-place add stays local

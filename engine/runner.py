@@ -14,12 +14,13 @@ import inspect
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, fused_decode_step, paged_attention
 from engine.config import EngineConfig
 from engine.cpu_threads import split_threads
 from engine.errors import ModelLoadError
@@ -87,6 +88,28 @@ class StepContext:
             self.attention_s += time.perf_counter() - started
         self.layers_called.add(layer)
         return out
+
+    def fused_decode(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], q_heads: int, dtype: torch.dtype
+    ) -> Callable[[int, torch.Tensor, float, int | None], torch.Tensor] | None:
+        """For a decode-only step on the C kernels: ``attend(layer, qkv, scale, sliding_window)``
+        taking the layer's unrotated qkv rows [B, (Hq + 2 Hkv) * D] and doing rotary (``rotary``:
+        cos/sin [B, D]), the cache write and attention in one call, returning [B, Hq, D].
+        None: use `attend` (see engine.attention.fused_decode_step)."""
+        step = fused_decode_step(self.meta, self.kv_caches[0][0], rotary, q_heads, dtype)
+        if step is None:
+            return None
+
+        def attend(layer: int, qkv: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+            k_cache, v_cache = self.kv_caches[layer]
+            started = time.perf_counter() if self.time_attention else 0.0
+            out = step(qkv, k_cache, v_cache, scale, window, None)
+            if self.time_attention:
+                self.attention_s += time.perf_counter() - started
+            self.layers_called.add(layer)
+            return out
+
+        return attend
 
 
 def _paged_attention_forward(
@@ -348,7 +371,7 @@ class ModelRunner:
         if batch.sample_rows:
             rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
         if self.lean is not None:
-            logits = self.lean(input_ids, positions, ctx.attend, rows)
+            logits = self.lean(input_ids, positions, ctx, rows)
         else:
             logits = self._transformers_forward(input_ids, positions, ctx, rows)
         if logits is None:  # prefill chunks only: the KV cache is filled, nothing to sample yet

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.cpu_kernels.fused_ops import FusedOps
+from engine.cpu_kernels.fused_ops import FusedOps, StepOps
 from engine.cpu_threads import split_threads
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
@@ -81,6 +81,28 @@ def test_rope_rotates_q_and_k_heads_in_place_and_leaves_v(
         bound = (rtol, atol) if ops.uses_kernels else (4 * rtol, 4 * atol)
         torch.testing.assert_close(got.float(), expected, rtol=bound[0], atol=bound[1])
         torch.testing.assert_close(work[:, heads * head_dim :], v_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 9, 70])
+@pytest.mark.parametrize("split", [False, True])
+def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int, split: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=generator) * 8).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, float("nan")])  # saturated, zero, NaN
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = F.silu(gate) * up  # fp32 math on the same inputs
+    rtol, atol = TOLERANCE[dtype]
+    residual = torch.zeros(rows, 576, dtype=dtype)
+    with split_threads(2) if split else contextlib.nullcontext():
+        step_ops = StepOps(FusedOps(dtype, torch.device("cpu")), residual, 1536)
+        got = step_ops.silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == (rows, 1536)
+    torch.testing.assert_close(got.float(), expected, rtol=rtol, atol=atol, equal_nan=True)
+    fallback = StepOps(_torch_ops(dtype), residual, 1536).silu_mul(gate_up)
+    torch.testing.assert_close(
+        fallback.float(), expected, rtol=4 * rtol, atol=4 * atol, equal_nan=True
+    )
 
 
 def _torch_ops(dtype: torch.dtype = torch.float32) -> FusedOps:

@@ -30,9 +30,11 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "fused_ops.c"))
+_HEADERS = (Path(__file__).with_name("fast_exp.h"),)
 # -ffp-contract=fast (gcc's default in GNU C mode, not clang's) fuses the D-loop multiply-adds
 # into FMAs; no -ffast-math, so NaN and inf stay IEEE. -lm goes after the source.
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp")
+_FLAGS += ("-shared", "-fPIC")
 _LIBS = ("-lm",)
 _BUILD_TIMEOUT_S = 120
 _STDERR_TAIL = 2000
@@ -73,6 +75,104 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+class _DecodeStepStruct(ctypes.Structure):
+    """paged_decode.c's DecodeStep."""
+
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("q_heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("block_tables", ctypes.c_void_p),
+        ("table_stride", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("kv_bf16", ctypes.c_int),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
+class DecodeStep:
+    """The decode attention of every layer of one step, one C call per layer (the kernel must be
+    available). Built once per step: the batch layout is the same for every layer.
+
+    block_tables int32 [B, max_blocks] (rows contiguous), seq_lens int32 [B] context lengths
+    including the current token. With ``slots`` (int64 [B]) each layer's rows also carry the new
+    token's K and V heads, which the call writes into those slots first, and with ``cos``/``sin``
+    (fp32 [B, head_dim]) it rotates the rows' q and k heads first: rotary, cache write and
+    attention become one call. Without them the pools must already hold the current token.
+    """
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        num_threads: int,
+        slots: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        lib = load()
+        if lib is None:
+            raise RuntimeError("the CPU decode kernel is not available (see the build warning)")
+        self._fn = lib.paged_decode_attention
+        self._keep = (block_tables, seq_lens, slots, rotary)  # the struct points into these
+        cos, sin = rotary or (None, None)
+        self._struct = _DecodeStepStruct(
+            batch=seq_lens.shape[0],
+            q_heads=q_heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            block_tables=block_tables.data_ptr(),
+            table_stride=block_tables.stride(0),
+            seq_lens=seq_lens.data_ptr(),
+            slots=None if slots is None else slots.data_ptr(),
+            cos=None if cos is None else cos.data_ptr(),
+            sin=None if sin is None else sin.data_ptr(),
+            kv_bf16=kv_dtype == torch.bfloat16,
+            nthreads=max(1, num_threads),
+        )
+        self._ref = ctypes.byref(self._struct)
+        self._out = torch.empty((seq_lens.shape[0], q_heads, head_dim), dtype=torch.float32)
+        self._out_ptr = self._out.data_ptr()
+
+    def __call__(
+        self,
+        rows: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """One layer: rows fp32 [B, W] with unit stride (the q heads first, then the new K and V
+        heads when the step writes them); returns fp32 [B, Hq, D], a buffer of this step that
+        the next call overwrites."""
+        status = self._fn(
+            self._ref,
+            rows.data_ptr(),
+            rows.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            self._out_ptr,
+            scale,
+            sliding_window or 0,
+            softcap or 0.0,
+        )
+        if status != 0:
+            raise MemoryError("the CPU decode kernel could not allocate its scratch")
+        return self._out
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -92,36 +192,21 @@ def paged_decode_attention(
     seq_lens int32 [B] context lengths including the current token. Returns [B, Hq, D] in query's
     dtype. The caller checks `supports` and `available`.
     """
-    lib = load()
-    if lib is None:
-        raise RuntimeError("the CPU decode kernel is not available (see the build warning)")
     _check(query, k_cache, v_cache, block_tables, seq_lens)
-    q32 = query.to(torch.float32).contiguous()
     batch, q_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q32)
-    status = lib.paged_decode_attention(
-        q32.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.dtype == torch.bfloat16,
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        batch,
-        q_heads,
-        kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        sliding_window or 0,
-        softcap or 0.0,
-        max(1, num_threads),
+    step = DecodeStep(
+        block_tables,
+        seq_lens,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        kv_dtype=k_cache.dtype,
+        num_threads=num_threads,
     )
-    if status != 0:
-        raise MemoryError("the CPU decode kernel could not allocate its score scratch")
-    return out.to(query.dtype)
+    rows = query.to(torch.float32).contiguous().view(batch, q_heads * head_dim)
+    return step(rows, k_cache, v_cache, scale, sliding_window, softcap).to(query.dtype)
 
 
 def write_kv_cache(
@@ -195,8 +280,7 @@ def _build_and_load() -> ctypes.CDLL | None:
         return None
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64]
-    fn.argtypes += [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_float, i64, ctypes.c_float]
     fn.restype = ctypes.c_int
     for suffix in ("f32", "bf16"):
         norm, rope = getattr(lib, "add_rms_norm_" + suffix), getattr(lib, "rope_" + suffix)
@@ -204,6 +288,9 @@ def _build_and_load() -> ctypes.CDLL | None:
         norm.restype = None
         rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int]
         rope.restype = None
+        silu_mul = getattr(lib, "silu_mul_" + suffix)
+        silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+        silu_mul.restype = None
     lib.scatter_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64]
     lib.scatter_rows.restype = None
     return lib
@@ -218,7 +305,7 @@ def _build(compiler: list[str]) -> Path:
     ).stdout
     digest = hashlib.sha256()
     flags = " ".join((*_FLAGS, *_LIBS))
-    sources = [path.read_bytes() for path in _SOURCES]
+    sources = [path.read_bytes() for path in (*_SOURCES, *_HEADERS)]
     for part in (*sources, flags.encode(), version.encode(), _cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")

@@ -2,6 +2,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 /* x += delta (when delta is given), then out = x / rms(x) * weight, row by row. */
 void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out,
                       int64_t rows, int64_t hidden, float eps, int nthreads) {
@@ -46,6 +48,23 @@ void rope_f32(float *qk, int64_t stride, const float *cos, const float *sin, int
                 x[i + half] = x2 * c[i + half] + x1 * s[i + half];
             }
         }
+    }
+}
+
+/* silu(x) = x * sigmoid(x), sigmoid through e^-|x| so that nothing overflows. */
+static inline float silu(float x) {
+    const float e = exp_nonpositive(-fabsf(x));
+    return x * (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+/* out[t] = silu(gate) * up for rows [gate | up] of 2 * width floats: the MLP's activation. */
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t width, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * width, *up = gate + width;
+        float *o = out + r * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) o[i] = silu(gate[i]) * up[i];
     }
 }
 
@@ -120,5 +139,18 @@ void rope_bf16(uint16_t *qk, int64_t stride, const uint16_t *cos, const uint16_t
                     f32_to_bf16(x2 * bf16_to_f32(c[i + half]) + x1 * bf16_to_f32(s[i + half]));
             }
         }
+    }
+}
+
+/* As silu_mul_f32 on bf16 rows; the product is rounded once. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width,
+                   int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * width, *up = gate + width;
+        uint16_t *o = out + r * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++)
+            o[i] = f32_to_bf16(silu(bf16_to_f32(gate[i])) * bf16_to_f32(up[i]));
     }
 }

@@ -3,16 +3,26 @@
  * fp32; the pools hold fp32 or bfloat16.
  *
  * One task per sequence (per sequence and KV head when the batch is too small to keep the threads
- * busy). Two passes over its visible keys, CHUNK keys at a time staged as fp32 rows in a small
- * per-thread buffer: scores (scaled, optionally soft-capped) into a per-thread scratch, then a
- * max-subtracted softmax whose weights accumulate V rows into the output. The G = Hq / Hkv query
- * heads of a KV head share each K/V row load. Tasks are spread over an OpenMP team; linked against
- * torch's libgomp (same soname, loaded first) the team comes from torch's thread pool.
+ * busy). A task walks its visible keys once, a tile of up to TILE consecutive slots of one block at
+ * a time, with an online softmax (running max and sum per query head, the output rescaled when the
+ * max grows): scores of the tile's K rows, then their weights times the V rows added into the
+ * output. K and V are read once, in slot order (a block's rows for all KV heads are contiguous),
+ * which keeps the hardware prefetcher streaming: at SmolLM2's shapes and batch 64 the kernel is
+ * bound by memory bandwidth. The G = Hq / Hkv query heads of a KV head share each tile. Tasks are
+ * spread over an OpenMP team; linked against torch's libgomp (same soname, loaded first) the team
+ * comes from torch's thread pool.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "fast_exp.h"
+
+#define TILE 16
 
 /* Visible keys of a query at position seq_len - 1: [first, seq_len). */
 static int64_t first_visible(int64_t seq_len, int64_t window) {
@@ -20,54 +30,27 @@ static int64_t first_visible(int64_t seq_len, int64_t window) {
     return first > 0 ? first : 0;
 }
 
-/* Dot products of one query head with four key rows: four independent FMA chains per step. */
-static inline void dot4(const float *q, const float *k0, const float *k1, const float *k2,
-                        const float *k3, int64_t head_dim, float *s) {
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-    for (int64_t d = 0; d < head_dim; d++) {
-        a0 += q[d] * k0[d];
-        a1 += q[d] * k1[d];
-        a2 += q[d] * k2[d];
-        a3 += q[d] * k3[d];
-    }
-    s[0] = a0, s[1] = a1, s[2] = a2, s[3] = a3;
+#ifdef __AVX512F__
+/* 16 vectors -> one vector whose lane i is the sum of v[i]'s lanes: a tree of shuffles and adds
+ * (~3 instructions per vector) instead of one horizontal reduction per vector (~8). */
+static inline __m512 sum_lanes16(__m512 v[16]) {
+    __m512 half[8], quarter[4], eighth[2];
+    for (int i = 0; i < 8; i++) /* [a0+a2, a1+a3 | b0+b2, b1+b3] in 128-bit lanes */
+        half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                                _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lane k: 4 partial sums of row 4i + k */
+        quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
+                                   _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* lane k: 2 partials of rows 8i + k, 8i + 4 + k */
+        eighth[i] = _mm512_add_ps(_mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0x44),
+                                  _mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0xEE));
+    /* position 4k + j holds row 4j + k */
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88),
+                                      _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, sums);
 }
-
-static inline float dot1(const float *q, const float *k, int64_t head_dim) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < head_dim; d++) acc += q[d] * k[d];
-    return acc;
-}
-
-/* e^x for max-subtracted scores (x <= 0), written so that gcc vectorises it (libm's expf stays
- * scalar without -ffast-math): 2^n times a degree-6 polynomial of the Cody-Waite reduced
- * argument. NaN stays NaN; x below -87.3 (including -inf) gives 0. */
-static inline float exp_nonpositive(float x) {
-    const float clamped = x > -87.3f ? x : -87.3f; /* NaN -> -87.3 here, restored below */
-    const float n = floorf(clamped * 1.44269504088896341f + 0.5f);
-    const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return x > -87.3f ? y * two_n : (x == x ? 0.0f : x);
-}
-
-static inline float cap(float s, float scale, float softcap) {
-    s *= scale;
-    return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
-}
-
-/* Keys staged (copied to fp32 rows) at once: a chunk of SmolLM2's K or V is 192 KiB, within L2. */
-#define CHUNK 256
+#endif
 
 /* A K or V pool [num_blocks, block_size, Hkv, D], fp32 or bf16; strides in elements. */
 typedef struct {
@@ -76,118 +59,322 @@ typedef struct {
     int64_t block_stride, row_stride;
 } Pool;
 
-static inline const char *row_address(const Pool *pool, int64_t block, int64_t slot) {
+/* n consecutive slots of one block, starting at `slot`, as fp32 rows (all KV heads): the pool's
+ * own memory when it holds fp32, else widened into buf. */
+static inline const float *tile_rows(const Pool *pool, int64_t block, int64_t slot, int64_t n,
+                                     float *buf) {
     const int64_t element = pool->block_stride * block + pool->row_stride * slot;
-    return (const char *)pool->base + element * (pool->bf16 ? 2 : 4);
-}
-
-/* Copy keys [begin, end) of a sequence (all heads) through its block table into buf as fp32 rows
- * of row_stride floats, widening bf16. Staging a chunk with block-sized copies before computing on
- * it keeps many cache-line loads in flight: with the pools out of cache (SmolLM2 shapes, batch 64)
- * computing on the rows in place ran ~20% slower. */
-static void stage_rows(const Pool *pool, const int32_t *table, int64_t begin, int64_t end,
-                       int64_t block_size, float *buf) {
-    for (int64_t j = begin; j < end;) {
-        const int64_t slot = j % block_size;
-        const int64_t stop = (end - j < block_size - slot) ? end - j : block_size - slot;
-        const char *rows = row_address(pool, table[j / block_size], slot);
-        const int64_t count = stop * pool->row_stride; /* slots of a block are contiguous */
-        float *dst = buf + (j - begin) * pool->row_stride;
-        if (!pool->bf16) {
-            memcpy(dst, rows, (size_t)count * sizeof(float));
-        } else {
-            const uint16_t *src = (const uint16_t *)rows;
+    if (!pool->bf16) return (const float *)pool->base + element;
+    const uint16_t *src = (const uint16_t *)pool->base + element;
+    const int64_t count = n * pool->row_stride;
 #pragma omp simd
-            for (int64_t i = 0; i < count; i++) {
-                const uint32_t bits = (uint32_t)src[i] << 16; /* bf16: top half of an fp32 */
-                memcpy(dst + i, &bits, sizeof bits);
-            }
-        }
-        j += stop;
+    for (int64_t i = 0; i < count; i++) {
+        const uint32_t bits = (uint32_t)src[i] << 16; /* bf16: top half of an fp32 */
+        memcpy(buf + i, &bits, sizeof bits);
     }
+    return buf;
 }
 
-/* Attention of one sequence's query heads of KV heads [h_begin, h_end) over its keys
- * [first, seq_len), staged CHUNK keys at a time. q/out point at the first of those query heads
- * ([Hq, D] rows); scores holds (h_end - h_begin) x G x count floats; buf CHUNK x Hkv x D floats. */
-static void attend_sequence(const float *q, const Pool *k_pool, const Pool *v_pool,
-                            const int32_t *table, int64_t seq_len, float *out, float *scores,
-                            float *buf, int64_t h_begin, int64_t h_end, int64_t kv_heads,
-                            int64_t group, int64_t head_dim, int64_t block_size, float scale,
-                            int64_t window, float softcap) {
-    const int64_t first = first_visible(seq_len, window);
-    const int64_t count = seq_len - first;
-    const int64_t heads = h_end - h_begin;
-    const int64_t q_heads = heads * group; /* query heads of this task */
-    const int64_t rs = kv_heads * head_dim; /* floats between two staged rows */
+/* Ask for the cache lines of up to n rows of a block from `slot` (clipped to the block). */
+static inline void prefetch_rows(const Pool *pool, int64_t block, int64_t slot, int64_t n) {
+    const int64_t element_bytes = pool->bf16 ? 2 : 4;
+    const int64_t rows = n < pool->block_stride / pool->row_stride - slot
+                             ? n
+                             : pool->block_stride / pool->row_stride - slot;
+    const char *start = (const char *)pool->base +
+                        (pool->block_stride * block + pool->row_stride * slot) * element_bytes;
+    const int64_t bytes = rows * pool->row_stride * element_bytes;
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+}
 
-    memset(out, 0, (size_t)(q_heads * head_dim) * sizeof(float));
-    if (count <= 0) return;
-    /* Pass 1: scores[qh * count + i] for key first + i, four keys at a time. */
-    for (int64_t c = 0; c < count; c += CHUNK) {
-        const int64_t stop = count - c < CHUNK ? count - c : CHUNK;
-        stage_rows(k_pool, table, first + c, first + c + stop, block_size, buf);
-        for (int64_t h = 0; h < heads; h++) {
-            const float *k = buf + (h_begin + h) * head_dim;
-            float *s = scores + h * group * count + c;
-            const float *qh = q + h * group * head_dim;
-            int64_t n = 0;
-            for (; n + 4 <= stop; n += 4)
-                for (int64_t g = 0; g < group; g++) {
-                    float *sg = s + g * count + n;
-                    const float *kn = k + n * rs;
-                    dot4(qh + g * head_dim, kn, kn + rs, kn + 2 * rs, kn + 3 * rs, head_dim, sg);
-                    for (int i = 0; i < 4; i++) sg[i] = cap(sg[i], scale, softcap);
-                }
-            for (; n < stop; n++)
-                for (int64_t g = 0; g < group; g++)
-                    s[g * count + n] =
-                        cap(dot1(qh + g * head_dim, k + n * rs, head_dim), scale, softcap);
-        }
+/* Running softmax state of one query head. */
+typedef struct {
+    float max, sum;
+} Running;
+
+/* Softmax weights of a tile's scores s[0..n) for one query head: caps them (softcap > 0), moves
+ * the running max up (rescaling o and the running sum when it grows), leaves e^(s - max) in s. */
+static inline void tile_weights(float *s, int64_t n, float softcap, Running *r, float *o,
+                                int64_t head_dim) {
+    float tile_max = -INFINITY; /* a NaN score is skipped here but makes its weight, the sum and
+                                   so the output NaN, as in torch */
+    for (int64_t t = 0; t < n; t++) {
+        if (softcap > 0.0f) s[t] = softcap * tanhf(s[t] / softcap);
+        tile_max = s[t] > tile_max ? s[t] : tile_max;
     }
-    /* Softmax per query head, max-subtracted, normalised in place. */
-    for (int64_t qh = 0; qh < q_heads; qh++) {
-        float *sq = scores + qh * count;
-        float max = -INFINITY; /* a NaN score is skipped here but makes its exp, the sum and so
-                                  the whole output NaN, as in torch */
-#pragma omp simd reduction(max : max)
-        for (int64_t i = 0; i < count; i++) max = sq[i] > max ? sq[i] : max;
-        float sum = 0.0f;
+    if (tile_max > r->max) { /* rescale what was summed under the old max */
+        const float alpha = exp_nonpositive(r->max - tile_max);
+        r->sum *= alpha;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) o[d] *= alpha;
+        r->max = tile_max;
+    }
+    float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < count; i++) {
-            sq[i] = exp_nonpositive(sq[i] - max);
-            sum += sq[i];
-        }
-        const float inv_sum = 1.0f / sum;
-        for (int64_t i = 0; i < count; i++) sq[i] *= inv_sum;
+    for (int64_t t = 0; t < n; t++) {
+        s[t] = exp_nonpositive(s[t] - r->max);
+        sum += s[t];
     }
-    /* Pass 2: out[qh] = sum_i p[qh][i] * V[first + i], four V rows per read-modify-write of out. */
-    for (int64_t c = 0; c < count; c += CHUNK) {
-        const int64_t stop = count - c < CHUNK ? count - c : CHUNK;
-        stage_rows(v_pool, table, first + c, first + c + stop, block_size, buf);
-        for (int64_t h = 0; h < heads; h++) {
-            const float *v = buf + (h_begin + h) * head_dim;
-            const float *p = scores + h * group * count + c;
-            float *oh = out + h * group * head_dim;
-            int64_t n = 0;
-            for (; n + 4 <= stop; n += 4)
-                for (int64_t g = 0; g < group; g++) {
-                    const float *pg = p + g * count + n, *vn = v + n * rs;
-                    const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
-                    float *og = oh + g * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++)
-                        og[d] += p0 * vn[d] + p1 * vn[rs + d] + p2 * vn[2 * rs + d] +
-                                 p3 * vn[3 * rs + d];
-                }
-            for (; n < stop; n++)
-                for (int64_t g = 0; g < group; g++) {
-                    const float pn = p[g * count + n], *vn = v + n * rs;
-                    float *og = oh + g * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) og[d] += pn * vn[d];
-                }
+    r->sum += sum;
+}
+
+/* One tile (n <= TILE rows, rs floats apart) of one KV head for its `group` query heads: q and o
+ * are [group, head_dim], running [group]. */
+static void attend_tile_portable(const float *q, const float *k, const float *v, int64_t rs,
+                                 int64_t n, int64_t group, int64_t head_dim, float softcap,
+                                 Running *running, float *out) {
+    float s[TILE];
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * head_dim;
+        float *o = out + g * head_dim;
+        for (int64_t t = 0; t < n; t++) {
+            const float *kt = k + t * rs;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < head_dim; d++) acc += qg[d] * kt[d];
+            s[t] = acc;
         }
+        tile_weights(s, n, softcap, &running[g], o, head_dim);
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4) { /* four V rows per read-modify-write of o */
+            const float *v0 = v + t * rs;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++)
+                o[d] += s[t] * v0[d] + s[t + 1] * v0[rs + d] + s[t + 2] * v0[2 * rs + d] +
+                        s[t + 3] * v0[3 * rs + d];
+        }
+        for (; t < n; t++) {
+            const float *vt = v + t * rs;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) o[d] += s[t] * vt[d];
+        }
+    }
+}
+
+#ifdef __AVX512F__
+/* exp_nonpositive on 16 lanes: the same reduction and polynomial, 2^n applied by scalef. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 floor_ = _mm512_set1_ps(-87.3f);
+    const __m512 clamped = _mm512_max_ps(x, floor_); /* NaN -> -87.3 (max returns the 2nd) */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    y = _mm512_scalef_ps(y, n);
+    const __mmask16 in_range = _mm512_cmp_ps_mask(x, floor_, _CMP_GT_OQ);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(in_range, y), nan, x);
+}
+
+/* The same for head_dim % 64 == 0 with AVX-512, 64 dims (4 registers) of a row at a time: per
+ * query head the 16 rows' dot products accumulate in 16 registers reduced together (sum_lanes16),
+ * the softmax step runs on all 16 scores at once, then o accumulates the weighted V rows in 8
+ * registers (two interleaved chains per 16 dims, so the adds do not wait on each other). Rows past
+ * n repeat row n - 1 with weight 0, so every load is a real row of the tile. */
+static void attend_tile_avx512(const float *q, const float *k, const float *v, int64_t rs,
+                               int64_t n, int64_t group, int64_t head_dim, float softcap,
+                               Running *running, float *out) {
+    const float *k_rows[TILE], *v_rows[TILE];
+    for (int t = 0; t < TILE; t++) {
+        const int64_t row = t < n ? t : n - 1;
+        k_rows[t] = k + row * rs;
+        v_rows[t] = v + row * rs;
+    }
+    const __mmask16 valid = (__mmask16)((1u << n) - 1);
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * head_dim;
+        float *o = out + g * head_dim;
+        Running *r = &running[g];
+        __m512 acc[TILE];
+#pragma GCC unroll 16
+        for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 64) {
+            __m512 qd[4];
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) qd[c] = _mm512_loadu_ps(qg + d + 16 * c);
+#pragma GCC unroll 16
+            for (int t = 0; t < TILE; t++)
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++)
+                    acc[t] = _mm512_fmadd_ps(qd[c], _mm512_loadu_ps(k_rows[t] + d + 16 * c), acc[t]);
+        }
+        __m512 scores = sum_lanes16(acc);
+        if (softcap > 0.0f) {
+            float s[TILE];
+            _mm512_storeu_ps(s, scores);
+            for (int t = 0; t < TILE; t++) s[t] = softcap * tanhf(s[t] / softcap);
+            scores = _mm512_loadu_ps(s);
+        }
+        /* NaN scores may or may not win this max; either way their weights, the sum and so the
+           output turn NaN, as in torch */
+        const float tile_max = _mm512_mask_reduce_max_ps(valid, scores);
+        if (tile_max > r->max) { /* rescale what was summed under the old max */
+            const __m512 alpha = _mm512_set1_ps(exp_nonpositive(r->max - tile_max));
+            r->sum *= exp_nonpositive(r->max - tile_max);
+            for (int64_t d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(o + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(o + d)));
+            r->max = tile_max;
+        }
+        const __m512 weights =
+            _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(scores, _mm512_set1_ps(r->max))));
+        r->sum += _mm512_reduce_add_ps(weights);
+        float w[TILE];
+        _mm512_storeu_ps(w, weights);
+        for (int64_t d = 0; d < head_dim; d += 64) {
+            __m512 od[8];
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                od[c] = _mm512_loadu_ps(o + d + 16 * c);
+                od[4 + c] = _mm512_setzero_ps();
+            }
+#pragma GCC unroll 16
+            for (int t = 0; t < TILE; t++) {
+                const __m512 wt = _mm512_set1_ps(w[t]);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++)
+                    od[(t & 1) * 4 + c] = _mm512_fmadd_ps(
+                        wt, _mm512_loadu_ps(v_rows[t] + d + 16 * c), od[(t & 1) * 4 + c]);
+            }
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                _mm512_storeu_ps(o + d + 16 * c, _mm512_add_ps(od[c], od[4 + c]));
+        }
+    }
+}
+#endif
+
+/* The tile routine for this head_dim on this CPU. */
+static void attend_tile(const float *q, const float *k, const float *v, int64_t rs, int64_t n,
+                        int64_t group, int64_t head_dim, float softcap, Running *running,
+                        float *out) {
+#ifdef __AVX512F__
+    if (head_dim % 64 == 0) {
+        attend_tile_avx512(q, k, v, rs, n, group, head_dim, softcap, running, out);
+        return;
+    }
+#endif
+    attend_tile_portable(q, k, v, rs, n, group, head_dim, softcap, running, out);
+}
+
+/* What every layer's decode attention call of one step shares (filled once per step). */
+typedef struct {
+    int64_t batch, q_heads, kv_heads, head_dim, block_size;
+    const int32_t *block_tables; /* [batch, table_stride] */
+    int64_t table_stride;
+    const int32_t *seq_lens; /* context lengths including the current token */
+    /* The fused step: each sequence's row also holds its new token's K and V heads (after the q
+       heads), written at slots[b] before attending. NULL: the pools already hold them. */
+    const int64_t *slots;
+    /* Rotary tables [batch, head_dim] applied to the row's q and k heads first; NULL: rotated. */
+    const float *cos, *sin;
+    int kv_bf16; /* the pools hold bfloat16, else fp32 */
+    int nthreads;
+} DecodeStep;
+
+/* dst = x rotated by the token's rotary angles (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over
+ * the two halves of a head, as in engine/cpu_kernels/fused_ops.c), times scale. */
+static inline void rotate_head(const float *x, const float *cos, const float *sin,
+                               int64_t head_dim, float scale, float *dst) {
+    const int64_t half = head_dim / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        dst[i] = (x1 * cos[i] - x2 * sin[i]) * scale;
+        dst[i + half] = (x2 * cos[i + half] + x1 * sin[i + half]) * scale;
+    }
+}
+
+static inline uint16_t round_to_bf16(float f) { /* nearest, ties to even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* One KV head's new row (fp32, head_dim floats) into its pool slot. */
+static inline void store_row(const Pool *pool, int64_t slot, int64_t head, const float *row,
+                             int64_t head_dim) {
+    const int64_t element = pool->row_stride * slot + head * head_dim; /* blocks are contiguous */
+    if (!pool->bf16) {
+        memcpy((float *)pool->base + element, row, (size_t)head_dim * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)pool->base + element;
+    for (int64_t d = 0; d < head_dim; d++) dst[d] = round_to_bf16(row[d]);
+}
+
+/* Attention of sequence b's query heads of KV heads [h_begin, h_end) over its keys
+ * [first, seq_len); row is its [Hq + 2 Hkv, D] (or [Hq, D]) row, out its [Hq, D] output. scratch
+ * holds the task's scaled queries, a rotated key and two fp32 tiles (see paged_decode_attention). */
+static void attend_sequence(const DecodeStep *step, int64_t b, const float *row, const Pool *k_pool,
+                            const Pool *v_pool, float *out, float *scratch, int64_t h_begin,
+                            int64_t h_end, float scale, int64_t window, float softcap) {
+    const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim;
+    const int64_t group = step->q_heads / kv_heads, block_size = step->block_size;
+    const int64_t seq_len = step->seq_lens[b], first = first_visible(seq_len, window);
+    const int32_t *table = step->block_tables + b * step->table_stride;
+    const int64_t q_heads = (h_end - h_begin) * group; /* query heads of this task */
+    const int64_t rs = kv_heads * head_dim;           /* floats between two rows of a tile */
+    float *q_scaled = scratch, *key = q_scaled + q_heads * head_dim, *k_buf = key + head_dim;
+    float *v_buf = k_buf + TILE * rs;
+    const float *q = row + h_begin * group * head_dim;
+    const float *cos = step->cos ? step->cos + b * head_dim : NULL;
+    const float *sin = step->sin ? step->sin + b * head_dim : NULL;
+    Running running[q_heads];
+
+    for (int64_t qh = 0; qh < q_heads; qh++) {
+        const float *x = q + qh * head_dim;
+        float *dst = q_scaled + qh * head_dim;
+        if (cos) {
+            rotate_head(x, cos, sin, head_dim, scale, dst);
+        } else {
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = x[d] * scale;
+        }
+        running[qh] = (Running){-INFINITY, 0.0f};
+    }
+    if (step->slots) { /* the new token's K (rotated) and V heads into its slot */
+        const float *k_new = row + step->q_heads * head_dim, *v_new = k_new + kv_heads * head_dim;
+        for (int64_t h = h_begin; h < h_end; h++) {
+            const float *k_head = k_new + h * head_dim;
+            if (cos) {
+                rotate_head(k_head, cos, sin, head_dim, 1.0f, key);
+                k_head = key;
+            }
+            store_row(k_pool, step->slots[b], h, k_head, head_dim);
+            store_row(v_pool, step->slots[b], h, v_new + h * head_dim, head_dim);
+        }
+    }
+    memset(out, 0, (size_t)(q_heads * head_dim) * sizeof(float));
+    for (int64_t j = first; j < seq_len;) {
+        const int64_t block = table[j / block_size], slot = j % block_size;
+        int64_t n = block_size - slot < TILE ? block_size - slot : TILE;
+        n = seq_len - j < n ? seq_len - j : n;
+        if (j + n < seq_len) { /* the next tile's rows start loading while this one computes */
+            const int64_t next = j + n, next_block = table[next / block_size];
+            const int64_t next_n = seq_len - next < TILE ? seq_len - next : TILE;
+            prefetch_rows(k_pool, next_block, next % block_size, next_n);
+            prefetch_rows(v_pool, next_block, next % block_size, next_n);
+        }
+        const float *k_tile = tile_rows(k_pool, block, slot, n, k_buf);
+        const float *v_tile = tile_rows(v_pool, block, slot, n, v_buf);
+        for (int64_t h = h_begin; h < h_end; h++) {
+            const int64_t qh = (h - h_begin) * group; /* first query head of KV head h */
+            attend_tile(q_scaled + qh * head_dim, k_tile + h * head_dim, v_tile + h * head_dim,
+                        rs, n, group, head_dim, softcap, running + qh, out + qh * head_dim);
+        }
+        j += n;
+    }
+    for (int64_t qh = 0; qh < q_heads; qh++) {
+        const float inv_sum = 1.0f / running[qh].sum;
+        for (int64_t d = 0; d < head_dim; d++) out[qh * head_dim + d] *= inv_sum;
     }
 }
 
@@ -206,47 +393,40 @@ static float *thread_scratch(size_t floats) {
     return buffer;
 }
 
-/* query/out fp32 [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D], fp32 or (kv_bf16)
- * bfloat16; block_tables int32 [B, table_stride]; seq_lens int32 [B] (including the current
- * token, already in the cache). window > 0: keys j with seq_len - 1 - window < j only;
- * softcap > 0: cap the scaled scores. Returns 0, or -1 when scratch memory could not be allocated
- * (out is then incomplete). */
-int paged_decode_attention(const float *query, const void *k_cache, const void *v_cache,
-                           int kv_bf16, const int32_t *block_tables, int64_t table_stride,
-                           const int32_t *seq_lens, float *out, int64_t batch, int64_t q_heads,
-                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           int64_t window, float softcap, int nthreads) {
-    const int64_t group = q_heads / kv_heads;
-    const int64_t row_stride = kv_heads * head_dim;
-    int64_t max_count = 1;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t count = seq_lens[b] - first_visible(seq_lens[b], window);
-        max_count = count > max_count ? count : max_count;
-    }
-    const size_t score_floats = (size_t)(q_heads * max_count);
-    const size_t scratch = score_floats + (size_t)(CHUNK * row_stride);
-    const Pool k_pool = {k_cache, kv_bf16, block_size * row_stride, row_stride};
-    const Pool v_pool = {v_cache, kv_bf16, block_size * row_stride, row_stride};
+/* One layer's decode attention of a step: sequence b's row at rows + b * row_stride (fp32 q heads,
+ * then with step->slots its new K and V heads); k_cache/v_cache [num_blocks, block_size, Hkv, D];
+ * out fp32 [B, Hq, D]. window > 0: keys j with seq_len - 1 - window < j only; softcap > 0: cap the
+ * scaled scores. Returns 0, or -1 when scratch memory could not be allocated (out is then
+ * incomplete). */
+int paged_decode_attention(const DecodeStep *step, const float *rows, int64_t row_stride,
+                           void *k_cache, void *v_cache, float *out, float scale, int64_t window,
+                           float softcap) {
+    const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim;
+    const int64_t q_heads = step->q_heads, group = q_heads / kv_heads;
+    const int64_t pool_row = kv_heads * head_dim;
+    const int nthreads = step->nthreads;
+    /* scaled queries of a task, a rotated key, then a K and a V tile widened from bf16 */
+    const size_t scratch_floats = (size_t)((q_heads + 1) * head_dim + 2 * TILE * pool_row);
+    const Pool k_pool = {k_cache, step->kv_bf16, step->block_size * pool_row, pool_row};
+    const Pool v_pool = {v_cache, step->kv_bf16, step->block_size * pool_row, pool_row};
     /* Few sequences cannot keep the team busy: then split each one by KV head. */
-    const int64_t splits = (nthreads > 1 && batch < 2 * nthreads) ? kv_heads : 1;
-    const int64_t heads_per_task = kv_heads / splits, tasks = batch * splits;
+    const int64_t splits = (nthreads > 1 && step->batch < 2 * nthreads) ? kv_heads : 1;
+    const int64_t heads_per_task = kv_heads / splits, tasks = step->batch * splits;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tasks > 1)
     {
-        float *scores = thread_scratch(scratch);
-        if (scores == NULL) {
+        float *scratch = thread_scratch(scratch_floats);
+        if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic)
         for (int64_t t = 0; t < tasks; t++) {
-            if (scores == NULL) continue;
+            if (scratch == NULL) continue;
             const int64_t b = t / splits, h_begin = t % splits * heads_per_task;
-            const int64_t offset = (b * q_heads + h_begin * group) * head_dim;
-            attend_sequence(query + offset, &k_pool, &v_pool, block_tables + b * table_stride,
-                            seq_lens[b], out + offset, scores, scores + score_floats, h_begin,
-                            h_begin + heads_per_task, kv_heads, group, head_dim, block_size,
-                            scale, window, softcap);
+            attend_sequence(step, b, rows + b * row_stride, &k_pool, &v_pool,
+                            out + (b * q_heads + h_begin * group) * head_dim, scratch, h_begin,
+                            h_begin + heads_per_task, scale, window, softcap);
         }
     }
     return failed ? -1 : 0;
