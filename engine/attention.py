@@ -274,16 +274,16 @@ def fused_decode_step(
     dtype: torch.dtype,
 ) -> cpu_kernels.DecodeStep | None:
     """A decode-only step's per-layer rotary + cache write + attention as one C call each, when
-    the "cpu" backend serves this step (fp32 activations, fp32/bf16 CPU pools, every slot inside
+    the "cpu" backend serves this step (fp32 or bf16 activations and CPU pools, every slot inside
     the pools); None: the caller rotates q/k and calls `paged_attention`.
 
-    rotary: fp32 cos/sin [B, head_dim] of the step's tokens (rotate-half convention, as
+    rotary: cos/sin [B, head_dim] of the step's tokens (rotate-half convention, as
     engine.cpu_kernels.fused_ops.FusedOps.rope takes them)."""
     choice = os.environ.get(BACKEND_ENV) or ("cpu" if k_cache.device.type == "cpu" else None)
     if (
         choice != "cpu"
         or not meta.is_decode_only
-        or dtype != torch.float32
+        or dtype not in (torch.float32, torch.bfloat16)
         or k_cache.device.type != "cpu"
         or k_cache.dtype not in (torch.float32, torch.bfloat16)
         or not cpu_kernels.available()
@@ -301,6 +301,7 @@ def fused_decode_step(
         block_size=block_size,
         kv_dtype=k_cache.dtype,
         num_threads=_kernel_threads(visible * q_heads * head_dim),
+        act_dtype=dtype,
         slots=meta.slot_mapping,
         rotary=rotary,
     )

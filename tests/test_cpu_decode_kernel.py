@@ -274,15 +274,18 @@ def test_c_cache_write_matches_index_copy_for_strided_rows() -> None:
     assert not narrow.any()  # refused: nothing written, the torch path converts instead
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("act_dtype", "kv_dtype"),
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16,) * 2],
+)
 @pytest.mark.parametrize(("seq_lens", "threads"), [(RAGGED, 2), (RAGGED, 1), ([40, 3], 2)])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("head_dim", [64, 24])
 def test_fused_decode_step_rotates_writes_and_attends(
-    kv_dtype, seq_lens, threads, window, head_dim
+    act_dtype, kv_dtype, seq_lens, threads, window, head_dim
 ):
     """DecodeStep with slots and rotary tables, on unrotated qkv rows, against rotating q/k in
-    torch, writing K/V with index_copy and attending on the torch path."""
+    fp32 torch, writing K/V with index_copy and attending on the torch path."""
     q_heads, kv_heads = 9, 3
     batch = make_batch(
         [1] * len(seq_lens), seq_lens, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -291,23 +294,28 @@ def test_fused_decode_step_rotates_writes_and_attends(
     generator = torch.Generator().manual_seed(7)
     angles = torch.rand(len(seq_lens), head_dim // 2, generator=generator) * 6
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos(), angles.sin()
-    flat = [t.reshape(len(seq_lens), -1) for t in (batch.query, batch.key, batch.value)]
-    qkv = torch.cat(flat, dim=-1)
+    cos, sin = angles.cos().to(act_dtype), angles.sin().to(act_dtype)
+    query, key, value = (t.to(act_dtype) for t in (batch.query, batch.key, batch.value))
+    qkv = torch.cat([t.reshape(len(seq_lens), -1) for t in (query, key, value)], dim=-1)
     k_cache, v_cache = batch.k_cache.to(kv_dtype), batch.v_cache.to(kv_dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    key = rotate_reference(batch.key, cos, sin)
-    write_kv_cache_torch(key, batch.value, expected_k, expected_v, batch.meta.slot_mapping)
+    rotated_k = rotate_reference(key.float(), cos.float(), sin.float())
+    slots = batch.meta.slot_mapping
+    write_kv_cache_torch(rotated_k, value.float(), expected_k, expected_v, slots)
     expected = attention.attend_torch(
-        rotate_reference(batch.query, cos, sin), expected_k, expected_v, batch.meta,
-        head_dim**-0.5, window, None,
+        rotate_reference(query.float(), cos.float(), sin.float()), expected_k.float(),
+        expected_v.float(), batch.meta, head_dim**-0.5, window, None,
     )  # fmt: skip
     step = cpu_kernels.DecodeStep(
         batch.meta.block_tables, batch.meta.seq_lens, q_heads=q_heads, kv_heads=kv_heads,
         head_dim=head_dim, block_size=16, kv_dtype=kv_dtype, num_threads=threads,
-        slots=batch.meta.slot_mapping, rotary=(cos, sin),
+        act_dtype=act_dtype, slots=slots, rotary=(cos, sin),
     )  # fmt: skip
     out = step(qkv, k_cache, v_cache, head_dim**-0.5, window, None)
-    torch.testing.assert_close(k_cache, expected_k, atol=1e-6, rtol=1e-6)
+    assert out.dtype == act_dtype
+    # bf16: the written key may round the other way where the two rotations differ in fp32
+    tolerance = 1e-6 if kv_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(k_cache, expected_k, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(v_cache, expected_v)
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=ATOL)
+    tolerance = ATOL if act_dtype == torch.float32 else 1e-2  # bf16 output: one rounding
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)

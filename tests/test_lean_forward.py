@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import cpu_kernels
+from engine import runner as runner_module
+from engine.attention import fused_decode_step
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.lean_forward import LeanLlamaForward
@@ -51,8 +54,19 @@ def test_a_lean_forward_that_differs_is_not_used(
     assert "lean forward differs" in caplog.text
 
 
-def test_lean_logits_match_the_transformers_forward_step_by_step(tiny_llama_dir: Path) -> None:
-    """Mixed steps (chunked prefills next to decodes, a shared prefix) through both paths."""
+def test_lean_logits_match_the_transformers_forward_step_by_step(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mixed steps (chunked prefills next to decodes, a shared prefix) through both paths; the
+    decode-only steps take the fused C call (rotary + cache write + attention) where it builds."""
+    fused_steps = []
+
+    def counting_fused_decode_step(*args):
+        step = fused_decode_step(*args)
+        fused_steps.append(step is not None)
+        return step
+
+    monkeypatch.setattr(runner_module, "fused_decode_step", counting_fused_decode_step)
     core = make_core(tiny_llama_dir)
     lean = core.runner.lean
     assert lean is not None
@@ -85,3 +99,4 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(tiny_llama_dir:
         core.step()
     assert not core.has_unfinished()
     assert compared >= 12
+    assert any(fused_steps) == cpu_kernels.available()

@@ -91,6 +91,7 @@ class _DecodeStepStruct(ctypes.Structure):
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
         ("kv_bf16", ctypes.c_int),
+        ("act_bf16", ctypes.c_int),
         ("nthreads", ctypes.c_int),
     ]
 
@@ -101,9 +102,10 @@ class DecodeStep:
 
     block_tables int32 [B, max_blocks] (rows contiguous), seq_lens int32 [B] context lengths
     including the current token. With ``slots`` (int64 [B]) each layer's rows also carry the new
-    token's K and V heads, which the call writes into those slots first, and with ``cos``/``sin``
-    (fp32 [B, head_dim]) it rotates the rows' q and k heads first: rotary, cache write and
+    token's K and V heads, which the call writes into those slots first, and with ``rotary``
+    (cos/sin [B, head_dim]) it rotates the rows' q and k heads first: rotary, cache write and
     attention become one call. Without them the pools must already hold the current token.
+    Rows and output are in ``act_dtype`` (fp32 or bf16); arithmetic is fp32.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class DecodeStep:
         block_size: int,
         kv_dtype: torch.dtype,
         num_threads: int,
+        act_dtype: torch.dtype = torch.float32,
         slots: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
@@ -124,8 +127,8 @@ class DecodeStep:
         if lib is None:
             raise RuntimeError("the CPU decode kernel is not available (see the build warning)")
         self._fn = lib.paged_decode_attention
-        self._keep = (block_tables, seq_lens, slots, rotary)  # the struct points into these
-        cos, sin = rotary or (None, None)
+        cos, sin = (table.float().contiguous() for table in rotary) if rotary else (None, None)
+        self._keep = (block_tables, seq_lens, slots, cos, sin)  # the struct points into these
         self._struct = _DecodeStepStruct(
             batch=seq_lens.shape[0],
             q_heads=q_heads,
@@ -139,10 +142,11 @@ class DecodeStep:
             cos=None if cos is None else cos.data_ptr(),
             sin=None if sin is None else sin.data_ptr(),
             kv_bf16=kv_dtype == torch.bfloat16,
+            act_bf16=act_dtype == torch.bfloat16,
             nthreads=max(1, num_threads),
         )
         self._ref = ctypes.byref(self._struct)
-        self._out = torch.empty((seq_lens.shape[0], q_heads, head_dim), dtype=torch.float32)
+        self._out = torch.empty((seq_lens.shape[0], q_heads, head_dim), dtype=act_dtype)
         self._out_ptr = self._out.data_ptr()
 
     def __call__(
@@ -154,9 +158,9 @@ class DecodeStep:
         sliding_window: int | None,
         softcap: float | None,
     ) -> torch.Tensor:
-        """One layer: rows fp32 [B, W] with unit stride (the q heads first, then the new K and V
-        heads when the step writes them); returns fp32 [B, Hq, D], a buffer of this step that
-        the next call overwrites."""
+        """One layer: rows [B, W] with unit stride (the q heads first, then the new K and V heads
+        when the step writes them); returns [B, Hq, D], a buffer of this step that the next call
+        overwrites."""
         status = self._fn(
             self._ref,
             rows.data_ptr(),

@@ -272,24 +272,13 @@ typedef struct {
     /* The fused step: each sequence's row also holds its new token's K and V heads (after the q
        heads), written at slots[b] before attending. NULL: the pools already hold them. */
     const int64_t *slots;
-    /* Rotary tables [batch, head_dim] applied to the row's q and k heads first; NULL: rotated. */
+    /* fp32 rotary tables [batch, head_dim] applied to the row's q and k heads first; NULL: the
+       rows are rotated already. */
     const float *cos, *sin;
-    int kv_bf16; /* the pools hold bfloat16, else fp32 */
+    int kv_bf16;  /* the pools hold bfloat16, else fp32 */
+    int act_bf16; /* rows and output are bfloat16 (a bf16 model's activations), else fp32 */
     int nthreads;
 } DecodeStep;
-
-/* dst = x rotated by the token's rotary angles (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over
- * the two halves of a head, as in engine/cpu_kernels/fused_ops.c), times scale. */
-static inline void rotate_head(const float *x, const float *cos, const float *sin,
-                               int64_t head_dim, float scale, float *dst) {
-    const int64_t half = head_dim / 2;
-#pragma omp simd
-    for (int64_t i = 0; i < half; i++) {
-        const float x1 = x[i], x2 = x[i + half];
-        dst[i] = (x1 * cos[i] - x2 * sin[i]) * scale;
-        dst[i + half] = (x2 * cos[i + half] + x1 * sin[i + half]) * scale;
-    }
-}
 
 static inline uint16_t round_to_bf16(float f) { /* nearest, ties to even; NaN stays NaN */
     uint32_t bits;
@@ -297,6 +286,35 @@ static inline uint16_t round_to_bf16(float f) { /* nearest, ties to even; NaN st
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
+}
+
+/* head_dim elements of a row (fp32, or bf16 widened) at element offset `at`, into dst. */
+static inline void load_head(const void *row, int bf16, int64_t at, int64_t head_dim, float *dst) {
+    if (!bf16) {
+        memcpy(dst, (const float *)row + at, (size_t)head_dim * sizeof(float));
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)row + at;
+    for (int64_t d = 0; d < head_dim; d++) {
+        const union {
+            uint32_t bits;
+            float value;
+        } widened = {.bits = (uint32_t)src[d] << 16};
+        dst[d] = widened.value;
+    }
+}
+
+/* x rotated in place by the token's rotary angles (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin
+ * over the two halves of a head, as in engine/cpu_kernels/fused_ops.c), times scale. */
+static inline void rotate_head(float *x, const float *cos, const float *sin, int64_t head_dim,
+                               float scale) {
+    const int64_t half = head_dim / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = (x1 * cos[i] - x2 * sin[i]) * scale;
+        x[i + half] = (x2 * cos[i + half] + x1 * sin[i + half]) * scale;
+    }
 }
 
 /* One KV head's new row (fp32, head_dim floats) into its pool slot. */
@@ -312,10 +330,11 @@ static inline void store_row(const Pool *pool, int64_t slot, int64_t head, const
 }
 
 /* Attention of sequence b's query heads of KV heads [h_begin, h_end) over its keys
- * [first, seq_len); row is its [Hq + 2 Hkv, D] (or [Hq, D]) row, out its [Hq, D] output. scratch
- * holds the task's scaled queries, a rotated key and two fp32 tiles (see paged_decode_attention). */
-static void attend_sequence(const DecodeStep *step, int64_t b, const float *row, const Pool *k_pool,
-                            const Pool *v_pool, float *out, float *scratch, int64_t h_begin,
+ * [first, seq_len); row is its [Hq + 2 Hkv, D] (or [Hq, D]) row, out its [Hq, D] output (element
+ * pointers of the activation dtype). scratch holds the task's scaled queries, a key, the fp32
+ * output and two fp32 tiles (see paged_decode_attention). */
+static void attend_sequence(const DecodeStep *step, int64_t b, const void *row, const Pool *k_pool,
+                            const Pool *v_pool, void *out, float *scratch, int64_t h_begin,
                             int64_t h_end, float scale, int64_t window, float softcap) {
     const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim;
     const int64_t group = step->q_heads / kv_heads, block_size = step->block_size;
@@ -323,36 +342,35 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const float *row,
     const int32_t *table = step->block_tables + b * step->table_stride;
     const int64_t q_heads = (h_end - h_begin) * group; /* query heads of this task */
     const int64_t rs = kv_heads * head_dim;           /* floats between two rows of a tile */
-    float *q_scaled = scratch, *key = q_scaled + q_heads * head_dim, *k_buf = key + head_dim;
-    float *v_buf = k_buf + TILE * rs;
-    const float *q = row + h_begin * group * head_dim;
+    const int act_bf16 = step->act_bf16;
+    float *q_scaled = scratch, *key = q_scaled + q_heads * head_dim, *value = key + head_dim;
+    float *acc = act_bf16 ? value + head_dim : (float *)out; /* fp32 output accumulator */
+    float *k_buf = value + head_dim + q_heads * head_dim, *v_buf = k_buf + TILE * rs;
     const float *cos = step->cos ? step->cos + b * head_dim : NULL;
     const float *sin = step->sin ? step->sin + b * head_dim : NULL;
     Running running[q_heads];
 
     for (int64_t qh = 0; qh < q_heads; qh++) {
-        const float *x = q + qh * head_dim;
-        float *dst = q_scaled + qh * head_dim;
+        float *q = q_scaled + qh * head_dim;
+        load_head(row, act_bf16, (h_begin * group + qh) * head_dim, head_dim, q);
         if (cos) {
-            rotate_head(x, cos, sin, head_dim, scale, dst);
+            rotate_head(q, cos, sin, head_dim, scale);
         } else {
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = x[d] * scale;
+            for (int64_t d = 0; d < head_dim; d++) q[d] *= scale;
         }
         running[qh] = (Running){-INFINITY, 0.0f};
     }
     if (step->slots) { /* the new token's K (rotated) and V heads into its slot */
-        const float *k_new = row + step->q_heads * head_dim, *v_new = k_new + kv_heads * head_dim;
+        const int64_t k_at = step->q_heads * head_dim, v_at = k_at + kv_heads * head_dim;
         for (int64_t h = h_begin; h < h_end; h++) {
-            const float *k_head = k_new + h * head_dim;
-            if (cos) {
-                rotate_head(k_head, cos, sin, head_dim, 1.0f, key);
-                k_head = key;
-            }
-            store_row(k_pool, step->slots[b], h, k_head, head_dim);
-            store_row(v_pool, step->slots[b], h, v_new + h * head_dim, head_dim);
+            load_head(row, act_bf16, k_at + h * head_dim, head_dim, key);
+            if (cos) rotate_head(key, cos, sin, head_dim, 1.0f);
+            load_head(row, act_bf16, v_at + h * head_dim, head_dim, value);
+            store_row(k_pool, step->slots[b], h, key, head_dim);
+            store_row(v_pool, step->slots[b], h, value, head_dim);
         }
     }
-    memset(out, 0, (size_t)(q_heads * head_dim) * sizeof(float));
+    memset(acc, 0, (size_t)(q_heads * head_dim) * sizeof(float));
     for (int64_t j = first; j < seq_len;) {
         const int64_t block = table[j / block_size], slot = j % block_size;
         int64_t n = block_size - slot < TILE ? block_size - slot : TILE;
@@ -368,13 +386,17 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const float *row,
         for (int64_t h = h_begin; h < h_end; h++) {
             const int64_t qh = (h - h_begin) * group; /* first query head of KV head h */
             attend_tile(q_scaled + qh * head_dim, k_tile + h * head_dim, v_tile + h * head_dim,
-                        rs, n, group, head_dim, softcap, running + qh, out + qh * head_dim);
+                        rs, n, group, head_dim, softcap, running + qh, acc + qh * head_dim);
         }
         j += n;
     }
     for (int64_t qh = 0; qh < q_heads; qh++) {
         const float inv_sum = 1.0f / running[qh].sum;
-        for (int64_t d = 0; d < head_dim; d++) out[qh * head_dim + d] *= inv_sum;
+        float *o = acc + qh * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) o[d] *= inv_sum;
+        if (act_bf16)
+            for (int64_t d = 0; d < head_dim; d++)
+                ((uint16_t *)out)[qh * head_dim + d] = round_to_bf16(o[d]);
     }
 }
 
@@ -393,20 +415,20 @@ static float *thread_scratch(size_t floats) {
     return buffer;
 }
 
-/* One layer's decode attention of a step: sequence b's row at rows + b * row_stride (fp32 q heads,
- * then with step->slots its new K and V heads); k_cache/v_cache [num_blocks, block_size, Hkv, D];
- * out fp32 [B, Hq, D]. window > 0: keys j with seq_len - 1 - window < j only; softcap > 0: cap the
- * scaled scores. Returns 0, or -1 when scratch memory could not be allocated (out is then
- * incomplete). */
-int paged_decode_attention(const DecodeStep *step, const float *rows, int64_t row_stride,
-                           void *k_cache, void *v_cache, float *out, float scale, int64_t window,
+/* One layer's decode attention of a step: sequence b's row at rows + b * row_stride elements (q
+ * heads, then with step->slots its new K and V heads; fp32, or bf16 with step->act_bf16);
+ * k_cache/v_cache [num_blocks, block_size, Hkv, D]; out [B, Hq, D] in the activation dtype.
+ * window > 0: keys j with seq_len - 1 - window < j only; softcap > 0: cap the scaled scores.
+ * Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
+int paged_decode_attention(const DecodeStep *step, const void *rows, int64_t row_stride,
+                           void *k_cache, void *v_cache, void *out, float scale, int64_t window,
                            float softcap) {
     const int64_t kv_heads = step->kv_heads, head_dim = step->head_dim;
     const int64_t q_heads = step->q_heads, group = q_heads / kv_heads;
-    const int64_t pool_row = kv_heads * head_dim;
+    const int64_t pool_row = kv_heads * head_dim, element = step->act_bf16 ? 2 : 4;
     const int nthreads = step->nthreads;
-    /* scaled queries of a task, a rotated key, then a K and a V tile widened from bf16 */
-    const size_t scratch_floats = (size_t)((q_heads + 1) * head_dim + 2 * TILE * pool_row);
+    /* scaled queries, a key and a value, the fp32 output, then a K and a V tile (bf16 widened) */
+    const size_t scratch_floats = (size_t)((2 * q_heads + 2) * head_dim + 2 * TILE * pool_row);
     const Pool k_pool = {k_cache, step->kv_bf16, step->block_size * pool_row, pool_row};
     const Pool v_pool = {v_cache, step->kv_bf16, step->block_size * pool_row, pool_row};
     /* Few sequences cannot keep the team busy: then split each one by KV head. */
@@ -424,8 +446,9 @@ int paged_decode_attention(const DecodeStep *step, const float *rows, int64_t ro
         for (int64_t t = 0; t < tasks; t++) {
             if (scratch == NULL) continue;
             const int64_t b = t / splits, h_begin = t % splits * heads_per_task;
-            attend_sequence(step, b, rows + b * row_stride, &k_pool, &v_pool,
-                            out + (b * q_heads + h_begin * group) * head_dim, scratch, h_begin,
+            const int64_t out_at = (b * q_heads + h_begin * group) * head_dim;
+            attend_sequence(step, b, (const char *)rows + b * row_stride * element, &k_pool,
+                            &v_pool, (char *)out + out_at * element, scratch, h_begin,
                             h_begin + heads_per_task, scale, window, softcap);
         }
     }
