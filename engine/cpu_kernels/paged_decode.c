@@ -445,6 +445,15 @@ int paged_decode_attention(const DecodeStep *step, const void *rows, int64_t row
 #pragma omp for schedule(dynamic)
         for (int64_t t = 0; t < tasks; t++) {
             if (scratch == NULL) continue;
+            if (t + 1 < tasks) { /* the next task's first rows load while this one computes */
+                const int64_t next = (t + 1) / splits, seq_len = step->seq_lens[next];
+                const int64_t first = first_visible(seq_len, window);
+                const int32_t block = step->block_tables[next * step->table_stride +
+                                                         first / step->block_size];
+                const int64_t n = seq_len - first < TILE ? seq_len - first : TILE;
+                prefetch_rows(&k_pool, block, first % step->block_size, n);
+                prefetch_rows(&v_pool, block, first % step->block_size, n);
+            }
             const int64_t b = t / splits, h_begin = t % splits * heads_per_task;
             const int64_t out_at = (b * q_heads + h_begin * group) * head_dim;
             attend_sequence(step, b, (const char *)rows + b * row_stride * element, &k_pool,
