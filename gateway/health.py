@@ -44,6 +44,11 @@ class HealthMonitor:
         self._tasks: dict[Backend, asyncio.Task[None]] = {}
         self._wakeups: dict[Backend, asyncio.Event] = {}  # lets an ejection end the wait early
 
+    def retry_after_s(self) -> int:
+        """Whole seconds a client should wait when no backend of a model is available: until the
+        next active check can re-admit one."""
+        return max(1, math.ceil(self.health.interval_s))
+
     def configure(self, health: HealthSettings, ejection: EjectionSettings) -> None:
         self.health = health
         self.ejection = ejection

@@ -246,6 +246,7 @@ class Proxy:
                     503, f"No healthy backend for model '{ex.route.name}'.", "no_healthy_backend"
                 ),
                 "no_backend",
+                headers={"Retry-After": str(self.health.retry_after_s())},
             )
         tried.append(backend)
         ex.backend = backend.label

@@ -160,6 +160,8 @@ async def test_no_healthy_backend_is_fast_503(start_gateway, fresh_upstreams):
         timings.append(time.perf_counter() - start)
         assert resp.status == 503
         assert (await resp.json())["error"]["code"] == "no_healthy_backend"
+        # SDKs pace their retries by it: the next health check may re-admit the backend
+        assert int(resp.headers["Retry-After"]) >= 1
     assert min(timings) < 0.02
     ready = await gw.http.get(gw.url + "/ready")
     assert ready.status == 503
