@@ -76,19 +76,25 @@ async def test_drain_backend_and_gateway(start_gateway, fresh_upstreams):
 
 async def test_metrics_exposition(start_gateway, fresh_upstreams):
     gw = await start_gateway(fleet([fresh_upstreams[0].url]))
-    assert (await gw.chat(max_tokens=2)).status == 200
-    assert (await gw.chat(stream=True, max_tokens=2)).status == 200
+    for resp in (await gw.chat(max_tokens=2), await gw.chat(stream=True, max_tokens=2)):
+        assert resp.status == 200
+        await resp.read()  # the whole stream: it is counted when it ends
     assert (await gw.chat("unknown-model")).status == 404
-    text = (await (await gw.http.get(gw.url + "/metrics")).read()).decode()
     label = fresh_upstreams[0].url.split("://")[1]
-    for line in [
+    expected = [
         'modelyard_requests_total{code="200",model="m1"} 2.0',
         'modelyard_requests_total{code="404",model="_unknown"} 1.0',
         'modelyard_completion_tokens_total{model="m1"} 4.0',
         f'modelyard_backend_up{{backend="{label}",model="m1"}} 1.0',
         'modelyard_time_to_first_token_seconds_count{model="m1"} 1.0',
         'modelyard_requests_in_flight{model="m1"} 0.0',
-    ]:
+    ]
+    for _ in range(100):  # the stream's handler records it just after its last chunk went out
+        text = (await (await gw.http.get(gw.url + "/metrics")).read()).decode()
+        if all(line in text for line in expected):
+            break
+        await asyncio.sleep(0.02)
+    for line in expected:
         assert line in text, line
     assert "modelyard_request_duration_seconds_bucket" in text
     assert "modelyard_upstream_latency_seconds_bucket" in text
