@@ -1,13 +1,16 @@
 """C kernels for the CPU path, compiled on first use with the system compiler and loaded by ctypes.
 
-`paged_decode_attention` is decode attention straight over the paged K/V pools (paged_decode.c),
-fp32 or bf16; `engine.cpu_kernels.fused_ops` wraps the lean forward's fused fp32 elementwise ops
-(fused_ops.c). The shared library is built once per process (lazily, thread-safe) into
-<MODELYARD_CACHE_DIR>/cpu_kernels/, named by a hash of the source, flags, compiler version and CPU
+`DecodeStep` is decode attention straight over the paged K/V pools (paged_decode.c), fp32 or bf16,
+optionally fused with the rotary and cache write of a decode-only step; `paged_decode_attention`
+is its one-call form for a query that is already rotated and written.
+`engine.cpu_kernels.fused_ops` wraps the lean forward's fused elementwise ops (fused_ops.c).
+
+The shared library is built once per process (lazily, thread-safe) into
+<MODELYARD_CACHE_DIR>/cpu_kernels/, named by a hash of the sources, flags, compiler version and CPU
 (it is built with -march=native), written to a temp file and renamed so concurrent processes never
-load half a file. It links
-`-fopenmp` against libgomp.so.1; torch is imported first, so the dynamic loader reuses torch's
-already-mapped libgomp and the kernel's OpenMP team comes from torch's thread pool.
+load half a file. It links `-fopenmp` against libgomp.so.1; torch is imported first, so the dynamic
+loader reuses torch's already-mapped libgomp and the kernel's OpenMP team comes from torch's thread
+pool.
 
 No compiler or a failed build logs one warning and `load()` returns None: callers use torch instead.
 """

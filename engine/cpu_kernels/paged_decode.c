@@ -1,6 +1,8 @@
 /* Fused paged decode attention on CPU: one query token per sequence, K/V read from the block
- * pools through the block tables (no batch-wide gather copy). Query, output and all arithmetic are
- * fp32; the pools hold fp32 or bfloat16.
+ * pools through the block tables (no batch-wide gather copy). Arithmetic is fp32; query rows and
+ * output are fp32 or bfloat16 (a bf16 model's activations), the pools fp32 or bfloat16. In a
+ * decode-only step the same call first rotates the new token's q and k heads and writes its K and
+ * V into their slots (DecodeStep.slots / cos / sin), so a layer's attention is one call.
  *
  * One task per sequence (per sequence and KV head when the batch is too small to keep the threads
  * busy). A task walks its visible keys once, a tile of up to TILE consecutive slots of one block at
