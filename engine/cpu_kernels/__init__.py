@@ -33,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "fused_ops.c"))
-_HEADERS = (Path(__file__).with_name("fast_exp.h"),)
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "fast_exp.h"))
 # -ffp-contract=fast (gcc's default in GNU C mode, not clang's) fuses the D-loop multiply-adds
 # into FMAs; no -ffast-math, so NaN and inf stay IEEE. -lm goes after the source.
 _FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp")

@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "fast_exp.h"
 
 #define TILE 16
@@ -70,10 +71,7 @@ static inline const float *tile_rows(const Pool *pool, int64_t block, int64_t sl
     const uint16_t *src = (const uint16_t *)pool->base + element;
     const int64_t count = n * pool->row_stride;
 #pragma omp simd
-    for (int64_t i = 0; i < count; i++) {
-        const uint32_t bits = (uint32_t)src[i] << 16; /* bf16: top half of an fp32 */
-        memcpy(buf + i, &bits, sizeof bits);
-    }
+    for (int64_t i = 0; i < count; i++) buf[i] = bf16_to_f32(src[i]);
     return buf;
 }
 
@@ -282,14 +280,6 @@ typedef struct {
     int nthreads;
 } DecodeStep;
 
-static inline uint16_t round_to_bf16(float f) { /* nearest, ties to even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* head_dim elements of a row (fp32, or bf16 widened) at element offset `at`, into dst. */
 static inline void load_head(const void *row, int bf16, int64_t at, int64_t head_dim, float *dst) {
     if (!bf16) {
@@ -297,13 +287,7 @@ static inline void load_head(const void *row, int bf16, int64_t at, int64_t head
         return;
     }
     const uint16_t *src = (const uint16_t *)row + at;
-    for (int64_t d = 0; d < head_dim; d++) {
-        const union {
-            uint32_t bits;
-            float value;
-        } widened = {.bits = (uint32_t)src[d] << 16};
-        dst[d] = widened.value;
-    }
+    for (int64_t d = 0; d < head_dim; d++) dst[d] = bf16_to_f32(src[d]);
 }
 
 /* x rotated in place by the token's rotary angles (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin
@@ -328,7 +312,7 @@ static inline void store_row(const Pool *pool, int64_t slot, int64_t head, const
         return;
     }
     uint16_t *dst = (uint16_t *)pool->base + element;
-    for (int64_t d = 0; d < head_dim; d++) dst[d] = round_to_bf16(row[d]);
+    for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(row[d]);
 }
 
 /* Attention of sequence b's query heads of KV heads [h_begin, h_end) over its keys
@@ -398,7 +382,7 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const void *row, 
         for (int64_t d = 0; d < head_dim; d++) o[d] *= inv_sum;
         if (act_bf16)
             for (int64_t d = 0; d < head_dim; d++)
-                ((uint16_t *)out)[qh * head_dim + d] = round_to_bf16(o[d]);
+                ((uint16_t *)out)[qh * head_dim + d] = f32_to_bf16(o[d]);
     }
 }
 
