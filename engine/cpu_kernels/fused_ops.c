@@ -72,7 +72,8 @@ static inline float silu(float x) {
     return x * (x >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
-/* Row r: out = silu(gate) * up of the row [gate | up] (2 * width elements), the MLP's activation. */
+/* Row r: out = silu(gate) * up of the row [gate | up] (2 * width elements), the MLP's
+ * activation. */
 ROW_ROUTINE silu_mul_row(const void *gate_up, void *out, int64_t r, int64_t width, const int bf16) {
     const int64_t gate = r * 2 * width, up = gate + width;
 #pragma omp simd

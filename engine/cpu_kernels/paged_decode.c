@@ -87,13 +87,32 @@ static inline void prefetch_rows(const Pool *pool, int64_t block, int64_t slot, 
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
+/* Ask for the K and V rows of the tile that starts at position j of a sequence of seq_len slots. */
+static inline void prefetch_tile(const Pool *k_pool, const Pool *v_pool, const int32_t *table,
+                                 int64_t block_size, int64_t j, int64_t seq_len) {
+    const int64_t block = table[j / block_size], n = seq_len - j < TILE ? seq_len - j : TILE;
+    prefetch_rows(k_pool, block, j % block_size, n);
+    prefetch_rows(v_pool, block, j % block_size, n);
+}
+
 /* Running softmax state of one query head. */
 typedef struct {
     float max, sum;
 } Running;
 
+/* Moves a query head's running max up to tile_max when it is larger, rescaling what was summed
+ * under the old max: the running sum and the output accumulator o. */
+static inline void raise_max(Running *r, float tile_max, float *o, int64_t head_dim) {
+    if (!(tile_max > r->max)) return;
+    const float alpha = exp_nonpositive(r->max - tile_max);
+    r->sum *= alpha;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; d++) o[d] *= alpha;
+    r->max = tile_max;
+}
+
 /* Softmax weights of a tile's scores s[0..n) for one query head: caps them (softcap > 0), moves
- * the running max up (rescaling o and the running sum when it grows), leaves e^(s - max) in s. */
+ * the running max up (raise_max), leaves e^(s - max) in s. */
 static inline void tile_weights(float *s, int64_t n, float softcap, Running *r, float *o,
                                 int64_t head_dim) {
     float tile_max = -INFINITY; /* a NaN score is skipped here but makes its weight, the sum and
@@ -102,13 +121,7 @@ static inline void tile_weights(float *s, int64_t n, float softcap, Running *r, 
         if (softcap > 0.0f) s[t] = softcap * tanhf(s[t] / softcap);
         tile_max = s[t] > tile_max ? s[t] : tile_max;
     }
-    if (tile_max > r->max) { /* rescale what was summed under the old max */
-        const float alpha = exp_nonpositive(r->max - tile_max);
-        r->sum *= alpha;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; d++) o[d] *= alpha;
-        r->max = tile_max;
-    }
+    raise_max(r, tile_max, o, head_dim);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; t++) {
@@ -156,8 +169,8 @@ static void attend_tile_portable(const float *q, const float *k, const float *v,
 static inline __m512 exp_nonpositive16(__m512 x) {
     const __m512 floor_ = _mm512_set1_ps(-87.3f);
     const __m512 clamped = _mm512_max_ps(x, floor_); /* NaN -> -87.3 (max returns the 2nd) */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 scaled = _mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
     r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
     __m512 y = _mm512_set1_ps(1.9875691500e-4f);
@@ -173,11 +186,11 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(in_range, y), nan, x);
 }
 
-/* The same for head_dim % 64 == 0 with AVX-512, 64 dims (4 registers) of a row at a time: per
- * query head the 16 rows' dot products accumulate in 16 registers reduced together (sum_lanes16),
- * the softmax step runs on all 16 scores at once, then o accumulates the weighted V rows in 8
- * registers (two interleaved chains per 16 dims, so the adds do not wait on each other). Rows past
- * n repeat row n - 1 with weight 0, so every load is a real row of the tile. */
+/* attend_tile_portable for head_dim % 64 == 0 with AVX-512, 64 dims (4 registers) of a row at a
+ * time: per query head the 16 rows' dot products accumulate in 16 registers reduced together
+ * (sum_lanes16), the softmax step runs on all 16 scores at once, then o accumulates the weighted V
+ * rows in 8 registers (two interleaved chains per 16 dims, so the adds do not wait on each other).
+ * Rows past n repeat row n - 1 with weight 0, so every load is a real row of the tile. */
 static void attend_tile_avx512(const float *q, const float *k, const float *v, int64_t rs,
                                int64_t n, int64_t group, int64_t head_dim, float softcap,
                                Running *running, float *out) {
@@ -203,7 +216,8 @@ static void attend_tile_avx512(const float *q, const float *k, const float *v, i
             for (int t = 0; t < TILE; t++)
 #pragma GCC unroll 4
                 for (int c = 0; c < 4; c++)
-                    acc[t] = _mm512_fmadd_ps(qd[c], _mm512_loadu_ps(k_rows[t] + d + 16 * c), acc[t]);
+                    acc[t] =
+                        _mm512_fmadd_ps(qd[c], _mm512_loadu_ps(k_rows[t] + d + 16 * c), acc[t]);
         }
         __m512 scores = sum_lanes16(acc);
         if (softcap > 0.0f) {
@@ -214,16 +228,9 @@ static void attend_tile_avx512(const float *q, const float *k, const float *v, i
         }
         /* NaN scores may or may not win this max; either way their weights, the sum and so the
            output turn NaN, as in torch */
-        const float tile_max = _mm512_mask_reduce_max_ps(valid, scores);
-        if (tile_max > r->max) { /* rescale what was summed under the old max */
-            const __m512 alpha = _mm512_set1_ps(exp_nonpositive(r->max - tile_max));
-            r->sum *= exp_nonpositive(r->max - tile_max);
-            for (int64_t d = 0; d < head_dim; d += 16)
-                _mm512_storeu_ps(o + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(o + d)));
-            r->max = tile_max;
-        }
-        const __m512 weights =
-            _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(scores, _mm512_set1_ps(r->max))));
+        raise_max(r, _mm512_mask_reduce_max_ps(valid, scores), o, head_dim);
+        const __m512 shifted = _mm512_sub_ps(scores, _mm512_set1_ps(r->max));
+        const __m512 weights = _mm512_maskz_mov_ps(valid, exp_nonpositive16(shifted));
         r->sum += _mm512_reduce_add_ps(weights);
         float w[TILE];
         _mm512_storeu_ps(w, weights);
@@ -361,12 +368,8 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const void *row, 
         const int64_t block = table[j / block_size], slot = j % block_size;
         int64_t n = block_size - slot < TILE ? block_size - slot : TILE;
         n = seq_len - j < n ? seq_len - j : n;
-        if (j + n < seq_len) { /* the next tile's rows start loading while this one computes */
-            const int64_t next = j + n, next_block = table[next / block_size];
-            const int64_t next_n = seq_len - next < TILE ? seq_len - next : TILE;
-            prefetch_rows(k_pool, next_block, next % block_size, next_n);
-            prefetch_rows(v_pool, next_block, next % block_size, next_n);
-        }
+        if (j + n < seq_len) /* the next tile's rows start loading while this one computes */
+            prefetch_tile(k_pool, v_pool, table, block_size, j + n, seq_len);
         const float *k_tile = tile_rows(k_pool, block, slot, n, k_buf);
         const float *v_tile = tile_rows(v_pool, block, slot, n, v_buf);
         for (int64_t h = h_begin; h < h_end; h++) {
@@ -433,12 +436,8 @@ int paged_decode_attention(const DecodeStep *step, const void *rows, int64_t row
             if (scratch == NULL) continue;
             if (t + 1 < tasks) { /* the next task's first rows load while this one computes */
                 const int64_t next = (t + 1) / splits, seq_len = step->seq_lens[next];
-                const int64_t first = first_visible(seq_len, window);
-                const int32_t block = step->block_tables[next * step->table_stride +
-                                                         first / step->block_size];
-                const int64_t n = seq_len - first < TILE ? seq_len - first : TILE;
-                prefetch_rows(&k_pool, block, first % step->block_size, n);
-                prefetch_rows(&v_pool, block, first % step->block_size, n);
+                prefetch_tile(&k_pool, &v_pool, step->block_tables + next * step->table_stride,
+                              step->block_size, first_visible(seq_len, window), seq_len);
             }
             const int64_t b = t / splits, h_begin = t % splits * heads_per_task;
             const int64_t out_at = (b * q_heads + h_begin * group) * head_dim;
