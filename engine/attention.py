@@ -172,10 +172,11 @@ def _slots_in_range(meta: AttentionMetadata, k_cache: torch.Tensor) -> bool:
     return in_range
 
 
-def _auto_backend(query: torch.Tensor) -> str:
-    if query.is_cuda:
+def _auto_backend(tensor: torch.Tensor) -> str:
+    """The backend for tensors on ``tensor``'s device when none is asked for."""
+    if tensor.is_cuda:
         return "triton"
-    return "cpu" if query.device.type == "cpu" and cpu_kernels.available() else "torch"
+    return "cpu" if tensor.device.type == "cpu" and cpu_kernels.available() else "torch"
 
 
 def write_kv_cache_torch(
@@ -273,7 +274,7 @@ def fused_decode_step(
 
     rotary: cos/sin [B, head_dim] of the step's tokens (rotate-half convention, as
     engine.cpu_kernels.fused_ops.FusedOps.rope takes them)."""
-    choice = os.environ.get(BACKEND_ENV) or ("cpu" if k_cache.device.type == "cpu" else None)
+    choice = os.environ.get(BACKEND_ENV) or _auto_backend(k_cache)
     if (
         choice != "cpu"
         or not meta.is_decode_only

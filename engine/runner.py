@@ -82,6 +82,10 @@ class StepContext:
             sliding_window=sliding_window,
             softcap=softcap,
         )
+        return self._attended(layer, started, out)
+
+    def _attended(self, layer: int, started: float, out: torch.Tensor) -> torch.Tensor:
+        """Book a layer's attention call that began at ``started``; returns its output."""
         if self.time_attention:
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
@@ -103,11 +107,7 @@ class StepContext:
         def attend(layer: int, qkv: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
             k_cache, v_cache = self.kv_caches[layer]
             started = time.perf_counter() if self.time_attention else 0.0
-            out = step(qkv, k_cache, v_cache, scale, window, None)
-            if self.time_attention:
-                self.attention_s += time.perf_counter() - started
-            self.layers_called.add(layer)
-            return out
+            return self._attended(layer, started, step(qkv, k_cache, v_cache, scale, window, None))
 
         return attend
 

@@ -194,8 +194,8 @@ def paged_decode_attention(
     """Decode attention, one query token per sequence, over the paged cache (which already holds
     the current token's K/V).
 
-    query [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] contiguous, each fp32 or
-    bf16 (arithmetic is fp32 either way); block_tables int32 [B, max_blocks] (rows contiguous);
+    query [B, Hq, D] and k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous) each fp32
+    or bf16 (arithmetic is fp32 either way); block_tables int32 [B, max_blocks] (rows contiguous);
     seq_lens int32 [B] context lengths including the current token. Returns [B, Hq, D] in query's
     dtype. The caller checks `supports` and `available`.
     """
@@ -211,9 +211,10 @@ def paged_decode_attention(
         block_size=block_size,
         kv_dtype=k_cache.dtype,
         num_threads=num_threads,
+        act_dtype=query.dtype,
     )
-    rows = query.to(torch.float32).contiguous().view(batch, q_heads * head_dim)
-    return step(rows, k_cache, v_cache, scale, sliding_window, softcap).to(query.dtype)
+    rows = query.contiguous().view(batch, q_heads * head_dim)
+    return step(rows, k_cache, v_cache, scale, sliding_window, softcap)
 
 
 def write_kv_cache(
