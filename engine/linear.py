@@ -23,12 +23,12 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN prepacking applies to weights of this device and dtype (bf16 needs a CPU
     with native bf16 instructions: AVX512-BF16 or AMX)."""
     if dtype == torch.bfloat16:
-        bf16_ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        dtype_ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     else:
-        bf16_ok = dtype == torch.float32
+        dtype_ok = dtype == torch.float32
     return (
         device.type == "cpu"
-        and bf16_ok
+        and dtype_ok
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
