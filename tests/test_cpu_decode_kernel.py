@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -184,6 +186,24 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path: Path, caplog):
         assert cpu_kernels.load() is None
     finally:
         cpu_kernels.reset()
+
+
+def test_builds_unused_for_weeks_are_removed(monkeypatch, tmp_path: Path):
+    """A new build removes builds that no process loaded for _STALE_AFTER_S; loading a build
+    marks it used."""
+    monkeypatch.setenv("MODELYARD_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "cpu_kernels"
+    folder.mkdir()
+    stale, recent = folder / "cpu_kernels-stale.so", folder / "cpu_kernels-recent.so"
+    stale.write_bytes(b"")
+    recent.write_bytes(b"")
+    weeks_ago = time.time() - cpu_kernels._STALE_AFTER_S - 3600
+    os.utime(stale, (weeks_ago, weeks_ago))
+    built = cpu_kernels._build(["cc"])
+    assert built.exists() and recent.exists() and not stale.exists()
+    os.utime(built, (weeks_ago, weeks_ago))
+    assert cpu_kernels._build(["cc"]) == built  # found, not rebuilt: marked used
+    assert built.stat().st_mtime > time.time() - 60
 
 
 def test_peaked_scores_and_nan_rows():

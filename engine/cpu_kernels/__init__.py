@@ -8,9 +8,10 @@ is its one-call form for a query that is already rotated and written.
 The shared library is built once per process (lazily, thread-safe) into
 <MODELYARD_CACHE_DIR>/cpu_kernels/, named by a hash of the sources, flags, compiler version and CPU
 (it is built with -march=native), written to a temp file and renamed so concurrent processes never
-load half a file. It links `-fopenmp` against libgomp.so.1; torch is imported first, so the dynamic
-loader reuses torch's already-mapped libgomp and the kernel's OpenMP team comes from torch's thread
-pool.
+load half a file. Each load marks its build as used (mtime); a new build removes the ones unused for
+`_STALE_AFTER_S` (earlier sources, or gone CPUs that shared the folder). It links `-fopenmp`
+against libgomp.so.1; torch is imported first, so the dynamic loader reuses torch's already-mapped
+libgomp and the kernel's OpenMP team comes from torch's thread pool.
 
 No compiler or a failed build logs one warning and `load()` returns None: callers use torch instead.
 """
@@ -26,6 +27,7 @@ import shlex
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ _FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fa
 _FLAGS += ("-shared", "-fPIC")
 _LIBS = ("-lm",)
 _BUILD_TIMEOUT_S = 120
+_STALE_AFTER_S = 14 * 24 * 3600
 _STDERR_TAIL = 2000
 
 _lock = threading.Lock()
@@ -320,8 +323,10 @@ def _build(compiler: list[str]) -> Path:
     folder = cache_root() / "cpu_kernels"
     target = folder / f"cpu_kernels-{digest.hexdigest()[:24]}.so"
     if target.exists():
+        os.utime(target)  # in use: not stale
         return target
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(folder)
     fd, temp = tempfile.mkstemp(dir=folder, prefix=".cpu_kernels-", suffix=".so")
     os.close(fd)
     try:
@@ -337,6 +342,18 @@ def _build(compiler: list[str]) -> Path:
         if os.path.exists(temp):
             os.remove(temp)
     return target
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Delete builds not loaded for _STALE_AFTER_S (a process that still maps one keeps it: the
+    file is only unlinked)."""
+    cutoff = time.time() - _STALE_AFTER_S
+    for old in folder.glob("cpu_kernels-*.so"):
+        try:
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # removed by a concurrent process, or not ours to remove
+            pass
 
 
 def _cpu_signature() -> str:
