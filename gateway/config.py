@@ -586,9 +586,7 @@ def parse_config(data: Any, file: str = "models.yaml", base_dir: Path | None = N
         for allowed in key.models or ():
             if allowed not in served:
                 problems.append(f"{file}: gateway.auth.keys[{i}].models: unknown model {allowed!r}")
-    gpu_sum = sum(
-        (m.gpu_memory_fraction or 0) * m.replicas for m in models if m.local and m.device != "cpu"
-    )
+    gpu_sum = sum(gpu_share(m) * m.replicas for m in models)
     if gpu_sum > MAX_GPU_FRACTION_SUM:
         problems.append(
             f"{file}: models: gpu_memory_fraction x replicas sums to {gpu_sum:.2f} on "
@@ -598,6 +596,14 @@ def parse_config(data: Any, file: str = "models.yaml", base_dir: Path | None = N
     if problems:
         raise ConfigError(problems)
     return FleetConfig(path=file, gateway=gateway, models=tuple(models))
+
+
+def gpu_share(model: ModelConfig) -> float:
+    """The GPU memory fraction one replica of ``model`` takes (0: not on a GPU). Every GPU counts
+    as one card, as the sum check does."""
+    if not model.local or model.device == "cpu":
+        return 0.0
+    return model.gpu_memory_fraction or 0.0
 
 
 def load_config(path: str | os.PathLike[str]) -> FleetConfig:

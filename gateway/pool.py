@@ -7,7 +7,9 @@ process exits unexpectedly it leaves the router and is restarted after an expone
 Config changes are applied without dropping requests, one replica at a time: start a new replica,
 wait for it to be ready, add it to the router, take an old one out of the router, let its in-flight
 requests finish (up to ``drain_timeout_s``), then stop it. If a new replica never becomes ready the
-rollout stops there and the old replicas keep serving.
+rollout stops there and the old replicas keep serving. A GPU replica whose memory fraction does not
+fit next to the running ones (a full card) is replaced the other way round: the old one drains and
+stops first, so the model serves with one replica fewer meanwhile (none, if it has only one).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from gateway.config import FleetConfig, ModelConfig
+from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig, gpu_share
 from gateway.router import Backend
 
 log = logging.getLogger("modelyard.pool")
@@ -195,9 +197,18 @@ class EnginePool:
         current = self.replicas.setdefault(model.name, [])
         stale = [r for r in current if r.spec != spec]
         for replica in current:
-            replica.config = model
-        # Replace stale replicas one at a time: new one up first, then the old one out.
+            if replica.spec == spec:  # stale ones keep theirs: what they run (and restart with)
+                replica.config = model
+        # Replace stale replicas one at a time: new one up first, then the old one out; on a GPU
+        # without room for both, the old one out first.
         for old in stale:
+            if self._gpu_in_use() + gpu_share(model) > MAX_GPU_FRACTION_SUM:
+                log.info("model %s: no GPU memory for a new replica beside the old", model.name)
+                await self._retire(model.name, [old])
+                if not await self._add_replica(model, spec):
+                    log.error("model %s: new replica did not become ready", model.name)
+                    return
+                continue
             if not await self._add_replica(model, spec):
                 log.error(
                     "model %s: new replica did not become ready; keeping the old ones", model.name
@@ -212,6 +223,10 @@ class EnginePool:
         surplus = fresh[model.replicas :]
         if surplus:
             await self._retire(model.name, surplus)
+
+    def _gpu_in_use(self) -> float:
+        """The GPU memory fraction of every replica started and not yet stopped."""
+        return sum(gpu_share(r.config) for rs in self.replicas.values() for r in rs)
 
     async def _add_replica(self, model: ModelConfig, spec: tuple[str, ...]) -> bool:
         replica = Replica(model=model.name, spec=spec, config=model)

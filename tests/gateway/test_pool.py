@@ -207,3 +207,45 @@ async def test_rolling_reload_without_dropping_requests(pooled, tmp_path):
         await gateway.pool.apply(gateway.config)
         assert not any(alive(pid) for pid in remaining)
         assert await chat(session, url) == 404
+
+
+@pytest.mark.parametrize(("fraction", "most_alive"), [(0.3, 3), (0.45, 2)])
+async def test_gpu_rollout_surges_only_when_the_card_has_room(
+    pooled, tmp_path, fraction, most_alive
+):
+    """2 GPU replicas of `fraction`: with room for a third (0.9 <= 0.95) a changed setting starts
+    each new replica beside the old one; on a full card (0.45: 1.35 > 0.95) each old one drains and
+    stops first, so there are never more engines than the card holds. Requests keep succeeding."""
+    import aiohttp
+
+    fleet = local_fleet(tmp_path, replicas=2, device="cuda", gpu_memory_fraction=fraction)
+    gateway, url, path = await pooled(fleet)
+    route = gateway.router.resolve("local")
+    await wait_for(lambda: len(route.backends) == 2, timeout=15)
+    before = pids(gateway)
+    alive_counts, statuses = [], []
+    stop = asyncio.Event()
+
+    async def watch():
+        while not stop.is_set():
+            alive_counts.append(sum(alive(pid) for pid in pids(gateway)))
+            await asyncio.sleep(0.01)
+
+    async with aiohttp.ClientSession() as session:
+
+        async def traffic():
+            while not stop.is_set():
+                statuses.append(await chat(session, url))
+
+        tasks = [asyncio.create_task(watch()), asyncio.create_task(traffic())]
+        changed = local_fleet(
+            tmp_path, replicas=2, device="cuda", gpu_memory_fraction=fraction, max_num_seqs=8
+        )
+        path.write_text(yaml.safe_dump(changed))
+        await gateway.reload()
+        await gateway.pool.apply(gateway.config)  # waits for the rollout
+        stop.set()
+        await asyncio.gather(*tasks)
+    assert not (pids(gateway) & before) and len(route.backends) == 2
+    assert max(alive_counts) == most_alive
+    assert len(statuses) > 5 and set(statuses) == {200}
