@@ -100,3 +100,33 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(
     assert not core.has_unfinished()
     assert compared >= 12
     assert any(fused_steps) == cpu_kernels.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_is_the_modules_own_values(dtype: torch.dtype) -> None:
+    """The per-position table (grown past its first 256 positions on demand) returns exactly what
+    transformers' rotary module computes; rotary types that rescale with the length keep the
+    module."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from engine.lean_forward import _rotary_of, _RotaryTable
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=4096)
+    module = LlamaRotaryEmbedding(config)
+    table = _rotary_of(module)
+    assert isinstance(table, _RotaryTable)
+    x = torch.zeros(1, dtype=dtype)
+    for positions in ([0, 5, 17], [3, 255, 256, 1000], [4095, 1, 2]):
+        pos = torch.tensor(positions)
+        cos, sin = table(x, pos)
+        want_cos, want_sin = module(x, pos[None])
+        assert cos.dtype == dtype and cos.shape == (len(positions), 32)
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    assert len(table.cos) == 4096
+    dynamic = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
+    assert not isinstance(_rotary_of(LlamaRotaryEmbedding(dynamic)), _RotaryTable)
