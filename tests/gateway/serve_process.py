@@ -33,8 +33,10 @@ def http_get(url: str, timeout: float = 2.0, token: str | None = None) -> tuple[
 
 
 class ServeProcess:
-    """A gateway process started from a models.yaml document; ``stop`` ends it and, as a safety net
-    for a failed test, any engine it left behind (only processes this gateway started)."""
+    """A gateway process started from a models.yaml document (written to ``config``, which tests
+    may edit); ``stop`` ends it and, as a safety net for a failed test, any engine it left behind
+    (only processes this gateway started). Its stderr goes to a file (``stderr()``), and its stdout,
+    the access log, to ``access_log`` when given."""
 
     def __init__(
         self,
@@ -44,24 +46,40 @@ class ServeProcess:
         engine_command: str | None = None,
         env: dict[str, str] | None = None,
         admin_key: str | None = None,
+        log_level: str = "warning",
+        access_log: Path | None = None,
     ) -> None:
         self.admin_key = admin_key
         self.config = tmp_path / "models.yaml"
         self.config.write_text(yaml.safe_dump(document))
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(self.config)]
-        command += ["--port", str(port), "--log-level", "warning"]
+        command += ["--port", str(port), "--log-level", log_level]
         if engine_command:
             command += ["--engine-command", engine_command]
+        # Files, not pipes: a full pipe would block the gateway's logging.
         self.log = (tmp_path / "gateway.log").open("wb")
-        self.proc = subprocess.Popen(
-            command,
-            cwd=REPO_ROOT,
-            stdout=subprocess.DEVNULL,  # the access log
-            stderr=self.log,
-            env={**os.environ, **(env or {})},
-        )
+        with open(access_log or os.devnull, "wb") as stdout:
+            self.proc = subprocess.Popen(
+                command,
+                cwd=REPO_ROOT,
+                stdout=stdout,
+                stderr=self.log,
+                env={**os.environ, **(env or {})},
+            )
         self.engine_pids: set[int] = set()
+
+    def wait_serving(self, timeout: float = 15.0) -> None:
+        """Until /ready answers 200 (some model has a backend that takes traffic)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"gateway exited with {self.proc.returncode}: {self.stderr()}")
+            with contextlib.suppress(OSError):
+                if http_get(self.url + "/ready", timeout=0.5)[0] == 200:
+                    return
+            time.sleep(0.05)
+        raise AssertionError(f"gateway not serving in {timeout}s: {self.stderr()}")
 
     def wait_ready(self, replicas: int, timeout: float) -> None:
         """Until ``replicas`` engines run under this gateway and all of them take traffic."""
@@ -79,9 +97,11 @@ class ServeProcess:
             time.sleep(0.1)
         raise AssertionError(f"gateway not ready in {timeout}s: {self.stderr()}")
 
-    def stderr(self) -> str:
+    def stderr(self, tail: int | None = 4000) -> str:
+        """The last ``tail`` characters of the gateway's stderr (None: all of it)."""
         self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-4000:]
+        text = Path(self.log.name).read_text(errors="replace")
+        return text[-tail:] if tail else text
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,71 +17,30 @@ import pytest
 import yaml
 
 from tests.gateway.conftest import MockUpstream, fleet, free_port
+from tests.gateway.serve_process import REPO_ROOT, ServeProcess
 
-REPO = Path(__file__).resolve().parents[2]
 SECRET = "sk-sdk-test"
 
 
-class GatewayProcess:
-    def __init__(self, config: Path, port: int) -> None:
-        self.config = config
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "SDK_TEST_KEY": SECRET}
-        # Files, not pipes: a full pipe would block the gateway's logging.
-        self.stdout = config.with_name("gateway.stdout")
-        self.stderr = config.with_name("gateway.stderr")
-        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "gateway.cli",
-                    "serve",
-                    "-c",
-                    str(config),
-                    "--port",
-                    str(port),
-                ],
-                cwd=REPO,
-                env=env,
-                stdout=out,
-                stderr=err,
-            )
-
-    def wait_ready(self, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(self.stderr.read_text())
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(self.url + "/ready", timeout=0.5).read()
-                return
-            time.sleep(0.05)
-        raise RuntimeError("gateway did not become ready")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[tuple[GatewayProcess, MockUpstream, Path]]:
+def served(tmp_path_factory) -> Iterator[tuple[ServeProcess, MockUpstream, Path]]:
+    """The gateway (info-level log, access log in the returned file) before a mock upstream."""
     upstream = MockUpstream("m1").start()
     doc = fleet([upstream.url])
     doc["gateway"]["auth"] = {"keys": [{"name": "sdk", "key_env": "SDK_TEST_KEY"}]}
-    path = tmp_path_factory.mktemp("sdk") / "models.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    gateway = GatewayProcess(path, free_port())
+    folder = tmp_path_factory.mktemp("sdk")
+    access_log = folder / "access.log"
+    gateway = ServeProcess(
+        doc,
+        folder,
+        free_port(),
+        env={"SDK_TEST_KEY": SECRET},
+        log_level="info",
+        access_log=access_log,
+    )
     try:
-        gateway.wait_ready()
-        yield gateway, upstream, path
+        gateway.wait_serving()
+        yield gateway, upstream, access_log
     finally:
         gateway.stop()
         upstream.stop()
@@ -150,10 +107,10 @@ def test_sdk_sees_mid_stream_error(served):
 
 def test_sighup_reload_and_access_log(served):
     """SIGHUP reloads models.yaml; the access log has one JSON line per request."""
-    gateway, upstream, path = served
-    doc = yaml.safe_load(path.read_text())
+    gateway, upstream, access_log = served
+    doc = yaml.safe_load(gateway.config.read_text())
     doc["models"][0]["aliases"] = ["default", "via-sighup"]
-    path.write_text(yaml.safe_dump(doc))
+    gateway.config.write_text(yaml.safe_dump(doc))
     gateway.proc.send_signal(signal.SIGHUP)
     request = urllib.request.Request(
         gateway.url + "/v1/chat/completions",
@@ -178,11 +135,11 @@ def test_sighup_reload_and_access_log(served):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    assert "config reloaded (SIGHUP)" in gateway.stderr.read_text()
+    assert "config reloaded (SIGHUP)" in gateway.stderr(tail=None)
     deadline = time.monotonic() + 5
     entry = None
     while entry is None and time.monotonic() < deadline:
-        entries = [json.loads(x) for x in gateway.stdout.read_text().splitlines()]
+        entries = [json.loads(x) for x in access_log.read_text().splitlines()]
         # Tries before the reload was applied were logged as 404s under the same id.
         entry = next(
             (e for e in entries if e["request_id"] == "trace-me-42" and e["status"] == 200), None
@@ -193,7 +150,7 @@ def test_sighup_reload_and_access_log(served):
     assert entry["backend"] == upstream.url.split("://")[1]
     assert entry["prompt_tokens"] == 1 and entry["completion_tokens"] == 5
     assert entry["latency_ms"] > 0
-    assert SECRET not in gateway.stdout.read_text() + gateway.stderr.read_text()
+    assert SECRET not in access_log.read_text() + gateway.stderr(tail=None)
 
 
 def test_serve_refuses_bad_config(tmp_path):
@@ -201,7 +158,7 @@ def test_serve_refuses_bad_config(tmp_path):
     bad.write_text("models: []\n")
     result = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "serve", "-c", str(bad)],
-        cwd=REPO,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=30,
