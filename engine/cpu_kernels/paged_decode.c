@@ -76,11 +76,9 @@ static inline const char *row_at(const Pool *pool, int64_t block, int64_t slot) 
     return (const char *)pool->base + element * (pool->bf16 ? 2 : 4);
 }
 
-/* n consecutive slots of one block, starting at `slot`, as fp32 rows (all KV heads): the pool's
- * own memory when it holds fp32, else widened into buf. */
-static inline const float *tile_rows(const Pool *pool, int64_t block, int64_t slot, int64_t n,
-                                     float *buf) {
-    if (!pool->bf16) return (const float *)row_at(pool, block, slot);
+/* n consecutive bf16 rows of one block, starting at `slot` (all KV heads), widened into buf. */
+static inline const float *widened_rows(const Pool *pool, int64_t block, int64_t slot, int64_t n,
+                                        float *buf) {
     const uint16_t *src = (const uint16_t *)row_at(pool, block, slot);
     const int64_t count = n * pool->row_stride;
 #pragma omp simd
@@ -198,19 +196,30 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(in_range, y), nan, x);
 }
 
+/* Elements d..d+15 of a row as fp32: loaded, or bf16 widened in the register (bf16 is the top half
+ * of an fp32), which measured 1.1x faster than widening a tile into a buffer first. */
+static inline __m512 load16(const void *row, int64_t d, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + d);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* attend_tile_portable for head_dim % 64 == 0 with AVX-512, 64 dims (4 registers) of a row at a
  * time: per query head the 16 rows' dot products accumulate in 16 registers reduced together
  * (sum_lanes16), the softmax step runs on all 16 scores at once, then o accumulates the weighted V
  * rows in 8 registers (two interleaved chains per 16 dims, so the adds do not wait on each other).
- * Rows past n repeat row n - 1 with weight 0, so every load is a real row of the tile. */
-static void attend_tile_avx512(const float *q, const float *k, const float *v, int64_t rs,
-                               int64_t n, int64_t group, int64_t head_dim, float softcap,
-                               Running *running, float *out, const NextRows *next) {
-    const float *k_rows[TILE], *v_rows[TILE];
+ * Rows past n repeat row n - 1 with weight 0, so every load is a real row of the tile. The rows
+ * hold bf16 when bf16 (a constant in each inlined copy), else fp32. */
+static inline void attend_tile_avx512(const float *q, const void *k, const void *v, int64_t rs,
+                                      int64_t n, int64_t group, int64_t head_dim, float softcap,
+                                      Running *running, float *out, const NextRows *next,
+                                      const int bf16) {
+    const int64_t row_bytes = rs * (bf16 ? 2 : 4);
+    const char *k_rows[TILE], *v_rows[TILE];
     for (int t = 0; t < TILE; t++) {
         const int64_t row = t < n ? t : n - 1;
-        k_rows[t] = k + row * rs;
-        v_rows[t] = v + row * rs;
+        k_rows[t] = (const char *)k + row * row_bytes;
+        v_rows[t] = (const char *)v + row * row_bytes;
     }
     const __mmask16 valid = (__mmask16)((1u << n) - 1);
     for (int64_t g = 0; g < group; g++) {
@@ -229,7 +238,7 @@ static void attend_tile_avx512(const float *q, const float *k, const float *v, i
 #pragma GCC unroll 4
                 for (int c = 0; c < 4; c++)
                     acc[t] =
-                        _mm512_fmadd_ps(qd[c], _mm512_loadu_ps(k_rows[t] + d + 16 * c), acc[t]);
+                        _mm512_fmadd_ps(qd[c], load16(k_rows[t], d + 16 * c, bf16), acc[t]);
                 if (d == 0 && t % group == g) prefetch_next_row(next, t);
             }
         }
@@ -261,7 +270,7 @@ static void attend_tile_avx512(const float *q, const float *k, const float *v, i
 #pragma GCC unroll 4
                 for (int c = 0; c < 4; c++)
                     od[(t & 1) * 4 + c] = _mm512_fmadd_ps(
-                        wt, _mm512_loadu_ps(v_rows[t] + d + 16 * c), od[(t & 1) * 4 + c]);
+                        wt, load16(v_rows[t], d + 16 * c, bf16), od[(t & 1) * 4 + c]);
             }
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++)
@@ -271,13 +280,27 @@ static void attend_tile_avx512(const float *q, const float *k, const float *v, i
 }
 #endif
 
-/* The tile routine for this head_dim on this CPU. */
-static void attend_tile(const float *q, const float *k, const float *v, int64_t rs, int64_t n,
-                        int64_t group, int64_t head_dim, float softcap, Running *running,
-                        float *out, const NextRows *next) {
+/* Whether attend_tile reads bf16 rows itself (else they must be widened to fp32 first). */
+static inline int reads_bf16(int64_t head_dim) {
 #ifdef __AVX512F__
-    if (head_dim % 64 == 0) {
-        attend_tile_avx512(q, k, v, rs, n, group, head_dim, softcap, running, out, next);
+    return head_dim % 64 == 0;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+/* The tile routine for this head_dim on this CPU; k and v rows hold bf16 when bf16 (only where
+ * reads_bf16), else fp32. */
+static void attend_tile(const float *q, const void *k, const void *v, int64_t rs, int64_t n,
+                        int64_t group, int64_t head_dim, float softcap, Running *running,
+                        float *out, const NextRows *next, int bf16) {
+#ifdef __AVX512F__
+    if (head_dim % 64 == 0) { /* one copy per element type, the branch out of the loops */
+        if (bf16)
+            attend_tile_avx512(q, k, v, rs, n, group, head_dim, softcap, running, out, next, 1);
+        else
+            attend_tile_avx512(q, k, v, rs, n, group, head_dim, softcap, running, out, next, 0);
         return;
     }
 #endif
@@ -379,6 +402,8 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const void *row, 
     }
     memset(acc, 0, (size_t)(q_heads * head_dim) * sizeof(float));
     const int64_t element = k_pool->bf16 ? 2 : 4;
+    const int widen = k_pool->bf16 && !reads_bf16(head_dim); /* bf16 tiles to fp32 copies */
+    const int64_t tile_element = widen ? 4 : element;
     for (int64_t j = first, n = tile_length(j, seq_len, block_size); j < seq_len;) {
         const int64_t block = table[j / block_size], slot = j % block_size;
         const int64_t next_n = tile_length(j + n, seq_len, block_size);
@@ -388,16 +413,19 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const void *row, 
             next_k = row_at(k_pool, next_block, (j + n) % block_size);
             next_v = row_at(v_pool, next_block, (j + n) % block_size);
         }
-        const float *k_tile = tile_rows(k_pool, block, slot, n, k_buf);
-        const float *v_tile = tile_rows(v_pool, block, slot, n, v_buf);
+        const char *k_tile = widen ? (const char *)widened_rows(k_pool, block, slot, n, k_buf)
+                                   : row_at(k_pool, block, slot);
+        const char *v_tile = widen ? (const char *)widened_rows(v_pool, block, slot, n, v_buf)
+                                   : row_at(v_pool, block, slot);
         for (int64_t h = h_begin; h < h_end; h++) {
             const int64_t qh = (h - h_begin) * group; /* first query head of KV head h */
             const int64_t head_bytes = head_dim * element;
             const NextRows next = {next_k ? next_k + h * head_bytes : NULL,
                                    next_v ? next_v + h * head_bytes : NULL,
                                    k_pool->row_stride * element, head_bytes, next_n};
-            attend_tile(q_scaled + qh * head_dim, k_tile + h * head_dim, v_tile + h * head_dim,
-                        rs, n, group, head_dim, softcap, running + qh, acc + qh * head_dim, &next);
+            attend_tile(q_scaled + qh * head_dim, k_tile + h * head_dim * tile_element,
+                        v_tile + h * head_dim * tile_element, rs, n, group, head_dim, softcap,
+                        running + qh, acc + qh * head_dim, &next, k_pool->bf16 && !widen);
         }
         j += n;
         n = next_n;
