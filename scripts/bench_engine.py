@@ -2,7 +2,9 @@
 
 Sections (select with --sections; sizes are flags so that a slow CPU can run each one):
 - limit:  the model's bare linear layers on the device's fast path at batch B vs the engine's whole
-          decode step at B, the step broken into forward / attention / scheduling / sampling.
+          decode step at B, the step broken into forward / attention / scheduling / sampling; and
+          the K/V bytes attention reads per step against a plain read of memory (the floor no
+          attention kernel gets under).
 - hf:     16 requests x 128 output tokens: engine vs transformers generate() sequentially and as one
           static padded batch.
 - mixed:  64 requests with mixed prompt (16-512) and output (16-256) lengths arriving over time:
@@ -22,6 +24,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import statistics
@@ -167,11 +170,28 @@ def timed_step(core: EngineCore) -> float:
     return time.perf_counter() - started
 
 
+def memory_read_gb_per_s(device: torch.device) -> float:
+    """What a plain read of 1 GiB (a sum, on torch's threads) gets from this machine's memory:
+    the speed limit for attention, which reads every K/V byte of the context once per step."""
+    data = torch.ones(1 << 28, device=device)
+    best = math.inf
+    for _ in range(4):
+        sync(device)
+        started = time.perf_counter()
+        data.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * data.element_size() / best / 1e9
+
+
 def bench_limit(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     core = make_core(args, max_num_seqs=max(batches))
     core.runner.time_attention = True
     linears = model_linears(core)
+    read_gb_per_s = memory_read_gb_per_s(core.runner.device)
+    spec = core.runner.spec
+    kv_bytes_per_token = spec.bytes_per_block // spec.block_size  # K and V, all layers
     rng = random.Random(args.seed)
     total_steps = args.limit_rounds * (args.limit_steps + 1)
     params = SamplingParams(temperature=0.0, max_tokens=total_steps + 8, ignore_eos=True)
@@ -196,6 +216,7 @@ def bench_limit(args: argparse.Namespace) -> dict:
         # plain F.linear passes; the first of each block is a warm-up (caches hold the previous
         # block's data). Medians of the rest.
         steps, packed, plain = [], [], []
+        context_before = sum(s.num_tokens for s in core.scheduler.running)
         core.timings.reset()
         for _ in range(args.limit_rounds):
             for samples, run in ((steps, lambda: timed_step(core)), (packed, packed_pass),
@@ -204,6 +225,9 @@ def bench_limit(args: argparse.Namespace) -> dict:
                 samples.extend(run() for _ in range(args.limit_steps))
         t = core.timings  # every step of the blocks, warm-ups included
         assert t.steps == total_steps
+        context_after = sum(s.num_tokens for s in core.scheduler.running)
+        kv_bytes = (context_before + context_after) / 2 * kv_bytes_per_token  # mean per step
+        attention_floor_s = kv_bytes / (read_gb_per_s * 1e9)
         for i in range(batch):
             core.abort(f"limit-{batch}-{i}")
         step_s, linear_s = statistics.median(steps), statistics.median(packed)
@@ -216,6 +240,11 @@ def bench_limit(args: argparse.Namespace) -> dict:
             "bare_linears_ms": round(linear_s * 1e3, 2),
             "f_linear_unpacked_ms": round(statistics.median(plain) * 1e3, 2),
             "step_over_linears": round(step_s / linear_s, 3),
+            # K/V that attention reads per step, the time a plain read of it takes, and the
+            # ratio a step would have if it were only the linears plus that read
+            "kv_read_mb_per_step": round(kv_bytes / 1e6, 1),
+            "attention_floor_ms": round(attention_floor_s * 1e3, 2),
+            "step_over_linears_floor": round((linear_s + attention_floor_s) / linear_s, 3),
             "breakdown_ms_mean": {  # over all steps, block warm-ups included
                 "step": round(statistics.mean(steps) * 1e3, 2),
                 "forward_total": round(forward_s * 1e3, 2),
@@ -231,9 +260,14 @@ def bench_limit(args: argparse.Namespace) -> dict:
             },
             "decode_tokens_per_s": round(batch / step_s, 1),
         }
+        row["attention_gb_per_s"] = round(kv_bytes / (t.attention_s / n) / 1e9, 1)
         log(f"limit B={batch}: {row}")
         results.append(row)
-    return {"num_prepacked_linears": core.runner.num_prepacked, "rows": results}
+    return {
+        "num_prepacked_linears": core.runner.num_prepacked,
+        "memory_read_gb_per_s": round(read_gb_per_s, 1),
+        "rows": results,
+    }
 
 
 # ------------------------------------------------------------------------------ HF baselines
