@@ -3,11 +3,10 @@
 import os
 import sys
 
-# Idle OpenMP threads sleep instead of spinning: engines share the machine's cores (several
-# replicas, the gateway), and spinning workers made a contended 2-core decode step ~10x slower.
-# It must be set before torch loads; an explicit setting in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from engine.openmp_env import configure
 
-from engine.cli import main
+configure(sys.argv[1:], os.environ)  # before torch loads (see engine.openmp_env)
+
+from engine.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from engine.config import EngineConfig, parse_size
+from engine.openmp_env import SPIN_WAIT_FLAG
 
 PROG = "python -m engine"
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
          "engine random seed (default %(default)s)"),
         ("--num-threads", {"type": _positive_int, "metavar": "N"},
          "CPU torch threads (default: the cores available)"),
+        (SPIN_WAIT_FLAG, {"action": "store_true"},
+         "idle CPU threads spin ~0.1 ms before sleeping: faster when this engine has the cores to "
+         "itself, slower when other processes share them (read by python -m engine at start)"),
         ("--max-queue", {"type": _non_negative_int, "default": d["max_queue"], "metavar": "N"},
          "waiting requests beyond which new ones get 503 (default %(default)s)"),
         ("--enable-prefix-caching", {"action": "store_true", "dest": "prefix_caching",

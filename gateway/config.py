@@ -130,6 +130,9 @@ class ModelConfig:
     gpu_memory_fraction: float | None = None
     kv_cache_memory: int | None = None
     engine_args: tuple[str, ...] = ()  # extra `python -m engine` flags
+    # Derived, not configured: the fleet's only local engine may let idle threads spin briefly
+    # (engine.openmp_env); with several, they would take each other's cores.
+    spin_wait: bool = False
     limits: ModelLimits = ModelLimits()
     timeouts: Timeouts = Timeouts()
     affinity: Affinity = Affinity()
@@ -586,6 +589,9 @@ def parse_config(data: Any, file: str = "models.yaml", base_dir: Path | None = N
         for allowed in key.models or ():
             if allowed not in served:
                 problems.append(f"{file}: gateway.auth.keys[{i}].models: unknown model {allowed!r}")
+    local = [m for m in models if m.local]
+    if len(local) == 1 and local[0].replicas == 1:  # the only engine (ModelConfig.spin_wait)
+        models = [replace(m, spin_wait=True) if m is local[0] else m for m in models]
     gpu_sum = sum(gpu_share(m) * m.replicas for m in models)
     if gpu_sum > MAX_GPU_FRACTION_SUM:
         problems.append(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from engine.openmp_env import SPIN_WAIT_FLAG
 from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig, gpu_share
 from gateway.router import Backend
 
@@ -88,6 +89,8 @@ def engine_command(
         cmd += ["--kv-cache-memory", str(model.kv_cache_memory)]
     if model.gpu_memory_fraction is not None:
         cmd += ["--gpu-memory-fraction", str(model.gpu_memory_fraction)]
+    if model.spin_wait:
+        cmd.append(SPIN_WAIT_FLAG)
     return cmd + list(model.engine_args)
 
 

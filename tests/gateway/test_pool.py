@@ -110,6 +110,23 @@ def test_engine_command_flags(tmp_path):
         assert flag in joined
 
 
+def test_only_the_fleets_single_engine_spins(tmp_path):
+    """--spin-wait (engine.openmp_env) goes to a fleet's only local engine, never to engines that
+    share the machine with others; upstream-only models do not count."""
+
+    def flags(doc: dict) -> list[bool]:
+        config = load_config(_write(tmp_path, doc))
+        return ["--spin-wait" in engine_command(m, 9123) for m in config.models if m.local]
+
+    single = local_fleet(tmp_path, replicas=1)
+    single["models"].append({"name": "far", "upstreams": ["http://127.0.0.1:9"]})
+    assert flags(single) == [True]
+    assert flags(local_fleet(tmp_path, replicas=2)) == [False]
+    two = local_fleet(tmp_path, replicas=1)
+    two["models"].append({**two["models"][0], "name": "second", "aliases": []})
+    assert flags(two) == [False, False]
+
+
 def _write(tmp_path: Path, doc: dict) -> Path:
     path = tmp_path / "models.yaml"
     path.write_text(yaml.safe_dump(doc))
