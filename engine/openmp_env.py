@@ -9,8 +9,8 @@ slower. The price is a wake-up at every parallel region (each GEMM, each layer's
 ``--spin-wait`` (the gateway passes it when it runs a single engine): workers spin for
 ``GOMP_SPINCOUNT`` = 10000 turns (~0.1 ms by libgomp's estimate of 100k per ms) before they sleep,
 which catches the next region of a step. Through ``make serve`` on that VM it gave 1.4x the tokens/s
-of one stream and 1.2x at 16 concurrent ones; two engines spinning on shared cores each ran 1.7x
-slower instead. Whatever the environment already sets for either variable wins.
+of one stream and 1.04-1.18x at 16 concurrent ones; two engines spinning on shared cores each ran
+1.7x slower instead. Whatever the environment already sets for either variable wins.
 """
 
 from __future__ import annotations
