@@ -307,9 +307,10 @@ class ModelRunner:
             logits[path] = [self._forward(b, self._context(b, caches)) for b in steps]
         self.lean = None
         worst = max(
-            (a - b).abs().max().item() for a, b in zip(logits[None], logits[lean], strict=True)
+            (a.float() - b.float()).abs().max().item()
+            for a, b in zip(logits[None], logits[lean], strict=True)
         )
-        scale = max(a.abs().max().item() for a in logits[None])
+        scale = max(a.float().abs().max().item() for a in logits[None])
         # The narrower of the model's and the cache's dtype sets how far roundings may drift apart.
         dtypes = (self.loaded.dtype, self.spec.dtype)
         tolerance = max(_LEAN_TOLERANCE.get(dtype, 0.0) for dtype in dtypes)
@@ -330,7 +331,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------ one step
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step; fp32 logits [R, vocab] for the sequences that reach their last token."""
+        """Run the step; logits [R, vocab] (the model's dtype) for the sequences that reach their
+        last token."""
         if out.copy_ops:
             self._copy_blocks(out.copy_ops)
         batch = build_batch(out)
@@ -376,7 +378,7 @@ class ModelRunner:
             logits = self._transformers_forward(input_ids, positions, ctx, rows)
         if logits is None:  # prefill chunks only: the KV cache is filled, nothing to sample yet
             return torch.empty(0, self.loaded.vocab_size, device=self.device)
-        return logits.float()
+        return logits
 
     def _transformers_forward(
         self,

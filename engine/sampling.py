@@ -1,7 +1,10 @@
 """Pick the next token of every sequence in a batch from its logits row.
 
 The sampler runs once per engine step, so each stage only runs for the rows that need it: an
-all-greedy batch without penalties or logprobs is a single max over the logits.
+all-greedy batch without penalties or logprobs is a single max over the logits. Logits arrive in
+the model's dtype; what is computed on them (penalties, softmax, logprobs) runs in fp32 on the rows
+that need it, while a max reads them as they are (widening to fp32 is exact, so it picks the same
+token): for a bf16 model at batch 64 this saved converting 3M logits (1 ms) every step.
 
 Sampling is inverse-CDF with one uniform number per row. A seeded row derives its number from
 (seed, choice index, output position) alone, so its tokens do not depend on which other sequences
@@ -19,6 +22,7 @@ from array import array
 
 import torch
 
+from engine import cpu_kernels
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprob
 
@@ -53,17 +57,16 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
-        logits = logits.float()  # no copy for the fp32 logits the runner hands over
         params = [seq.params for seq in seqs]
         scores = apply_penalties(logits, seqs)
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy) == len(seqs):
-            tokens = scores.max(dim=-1).indices.tolist()
+            tokens = _greedy(scores)
         else:
             picked: dict[int, int] = {}
             if greedy:
-                best = scores[_index(greedy, scores.device)].max(dim=-1).indices.tolist()
+                best = _greedy(scores[_index(greedy, scores.device)])
                 picked.update(zip(greedy, best, strict=True))
             picked.update(
                 self._sample(scores, seqs, [i for i, p in enumerate(params) if not p.greedy])
@@ -95,7 +98,7 @@ class Sampler:
             group_scores = (
                 scores if len(group) == len(seqs) else scores[_index(group, scores.device)]
             )
-            return group_scores, [seqs[i].params for i in group], u
+            return group_scores.float(), [seqs[i].params for i in group], u
 
         picked: dict[int, int] = {}
         if plain:
@@ -110,6 +113,12 @@ class Sampler:
                 tokens, _ = _sample_truncated(redo_scores, vocab, redo_params, redo_u)
                 picked.update(zip(redo, tokens, strict=True))
         return picked
+
+
+def _greedy(scores: torch.Tensor) -> list[int]:
+    """Each row's most likely token (the first of equals)."""
+    tokens = cpu_kernels.argmax_rows(scores)
+    return tokens if tokens is not None else scores.max(dim=-1).indices.tolist()
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
@@ -193,11 +202,11 @@ def _sample_truncated(
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition (HF: over prompt + output, positive logits divided, negative multiplied), then
     frequency and presence (OpenAI: over output tokens). Returns `logits` itself when no row has a
-    penalty, else a modified copy. Only the entries of tokens that occurred are touched."""
+    penalty, else a modified fp32 copy. Only the entries of tokens that occurred are touched."""
     if not any(_has_penalty(s.params) for s in seqs):
         return logits
     vocab = logits.shape[1]
-    scores = logits.clone()
+    scores = logits.to(torch.float32, copy=True)
     flat = scores.view(-1)
     repeat_rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if repeat_rows:
@@ -258,7 +267,7 @@ def _logprobs(
     result: list[TokenLogprob | None] = [None] * len(params)
     if not rows:
         return result
-    logprobs = torch.log_softmax(logits[_index(rows, logits.device)], dim=-1)
+    logprobs = torch.log_softmax(logits[_index(rows, logits.device)].float(), dim=-1)
     chosen = (
         logprobs.gather(1, _index([tokens[i] for i in rows], logits.device).unsqueeze(1))
         .squeeze(1)

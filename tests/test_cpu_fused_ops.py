@@ -110,3 +110,23 @@ def _torch_ops(dtype: torch.dtype = torch.float32) -> FusedOps:
     ops = FusedOps(dtype, torch.device("cpu"))
     ops._lib = None
     return ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 7), (5, 300), (64, 49152)])
+def test_argmax_rows_is_torch_max_index(dtype: torch.dtype, rows: int, cols: int) -> None:
+    """First index of the largest value, as torch.max(dim=-1) answers, ties, -inf and NaN rows
+    included; on one thread and split over rows."""
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler")
+    generator = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, cols, generator=generator) * 4).to(dtype)
+    x[0, cols // 2] = x[0, cols - 1] = x[0].max() + 1  # a tie
+    if rows > 2:
+        x[1] = float("-inf")
+        x[2, 3] = float("nan")  # NaN wins, as in torch
+        x[2, cols - 1] = float("nan")
+    assert cpu_kernels.argmax_rows(x) == x.max(dim=-1).indices.tolist()
+    narrower = x[:, :-1]  # not contiguous (but for one row): the caller uses torch
+    expected = None if rows > 1 else narrower.max(dim=-1).indices.tolist()
+    assert cpu_kernels.argmax_rows(narrower) == expected

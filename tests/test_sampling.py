@@ -268,3 +268,26 @@ def test_invalid_params_raise_invalid_request(param: str, value: object) -> None
         SamplingParams(**{param: value})
     assert info.value.param == param
     assert info.value.status == 400
+
+
+def test_bf16_logits_sample_as_their_fp32_widening() -> None:
+    """Logits arrive in the model's dtype: a bf16 batch (greedy, seeded draws with filters,
+    penalties, logprobs) picks the same tokens with the same logprobs as the same values in fp32,
+    all-greedy batches included (a max over bf16 picks what it picks over fp32)."""
+    logits = random_logits(6, 300, seed=8).to(torch.bfloat16)
+    logits[0, 17] = logits[0, 42] = logits[0].max()  # a tie: the first index wins either way
+
+    def batch() -> list[Sequence]:
+        return [
+            make_seq(temperature=0.0, logprobs=3),
+            make_seq(temperature=0.8, seed=3, top_k=20),
+            make_seq(temperature=1.0, seed=4, top_p=0.9, min_p=0.05),
+            make_seq(temperature=0.0, repetition_penalty=1.3, output=[5, 9]),
+            make_seq(temperature=1.2, seed=5, frequency_penalty=0.5, output=[1, 1], logprobs=2),
+            make_seq(temperature=0.0),
+        ]
+
+    narrow, wide = Sampler()(logits, batch()), Sampler()(logits.float(), batch())
+    assert narrow == wide and narrow[0][0] == 17
+    greedy_only = [make_seq(temperature=0.0) for _ in range(6)]
+    assert Sampler()(logits, greedy_only)[0] == Sampler()(logits.float(), greedy_only)[0]
