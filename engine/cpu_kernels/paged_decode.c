@@ -371,7 +371,7 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const void *row, 
     const int64_t seq_len = step->seq_lens[b], first = first_visible(seq_len, window);
     const int32_t *table = step->block_tables + b * step->table_stride;
     const int64_t q_heads = (h_end - h_begin) * group; /* query heads of this task */
-    const int64_t rs = kv_heads * head_dim;           /* floats between two rows of a tile */
+    const int64_t rs = kv_heads * head_dim;           /* elements between two rows of a tile */
     const int act_bf16 = step->act_bf16;
     float *q_scaled = scratch, *key = q_scaled + q_heads * head_dim, *value = key + head_dim;
     float *acc = act_bf16 ? value + head_dim : (float *)out; /* fp32 output accumulator */
