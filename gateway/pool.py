@@ -9,7 +9,8 @@ wait for it to be ready, add it to the router, take an old one out of the router
 requests finish (up to ``drain_timeout_s``), then stop it. If a new replica never becomes ready the
 rollout stops there and the old replicas keep serving. A GPU replica whose memory fraction does not
 fit next to the running ones (a full card) is replaced the other way round: the old one drains and
-stops first, so the model serves with one replica fewer meanwhile (none, if it has only one).
+stops first, so the model serves with one replica fewer meanwhile (none, if it has only one); if the
+new one never becomes ready, the old one is started again and the rollout stops.
 """
 
 from __future__ import annotations
@@ -209,7 +210,11 @@ class EnginePool:
                 log.info("model %s: no GPU memory for a new replica beside the old", model.name)
                 await self._retire(model.name, [old])
                 if not await self._add_replica(model, spec):
-                    log.error("model %s: new replica did not become ready", model.name)
+                    log.error(
+                        "model %s: new replica did not become ready; restarting the old one",
+                        model.name,
+                    )
+                    await self._add_replica(old.config, old.spec)
                     return
                 continue
             if not await self._add_replica(model, spec):

@@ -266,3 +266,26 @@ async def test_gpu_rollout_surges_only_when_the_card_has_room(
     assert not (pids(gateway) & before) and len(route.backends) == 2
     assert max(alive_counts) == most_alive
     assert len(statuses) > 5 and set(statuses) == {200}
+
+
+async def test_full_card_rollout_that_fails_restarts_the_old_replica(pooled, tmp_path):
+    """On a full card the old replica stops before the new one starts; a new engine that cannot
+    start gives the model its old replica back, and the rollout stops there."""
+    import aiohttp
+
+    fleet = local_fleet(tmp_path, replicas=2, device="cuda", gpu_memory_fraction=0.45)
+    gateway, url, path = await pooled(fleet)
+    route = gateway.router.resolve("local")
+    await wait_for(lambda: len(route.backends) == 2, timeout=15)
+    old_specs = {r.spec for r in gateway.pool.replicas["local"]}
+    broken = local_fleet(
+        tmp_path, replicas=2, device="cuda", gpu_memory_fraction=0.45, engine_args=["--fail-start"]
+    )
+    path.write_text(yaml.safe_dump(broken))
+    await gateway.reload()
+    await gateway.pool.apply(gateway.config)  # waits for the (failing) rollout
+    await wait_for(lambda: len(route.backends) == 2, timeout=15)
+    assert {r.spec for r in gateway.pool.replicas["local"]} == old_specs
+    assert sum(alive(pid) for pid in pids(gateway)) == 2
+    async with aiohttp.ClientSession() as session:
+        assert await chat(session, url) == 200
