@@ -27,6 +27,5 @@ def configure(argv: Sequence[str], environ: MutableMapping[str, str]) -> None:
         return  # the operator's choice
     environ["OMP_WAIT_POLICY"] = "PASSIVE"
     if SPIN_WAIT_FLAG in argv:
-        environ["GOMP_SPINCOUNT"] = (
-            _SPIN_COUNT  # explicit count: libgomp then spins despite PASSIVE
-        )
+        # an explicit count: libgomp spins that long despite PASSIVE
+        environ["GOMP_SPINCOUNT"] = _SPIN_COUNT
