@@ -130,7 +130,8 @@ class _RotaryTable:
     positions [0, n) (n doubling on demand) and gathered per step: a decode step's rotary went from
     the module's ~10 ops (0.3 ms here) to two index_selects. Only for rotary types whose angles
     depend on the position alone (not "dynamic"/"longrope", which rescale with the batch's length).
-    The module computes each position independently, so the values are its own."""
+    The module computes each position independently, so the values are its own (up to the last
+    bit where torch's scalar remainder loop and its vector lanes round a cos differently)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
