@@ -139,6 +139,7 @@ def run_torch(batch: PagedBatch, **kwargs) -> torch.Tensor:
 SHAPES = {  # name: (query_lens, seq_lens)
     "decode": ([1, 1, 1, 1, 1], [1, 7, 16, 33, 5]),
     "prefill": ([9], [9]),
+    "prefills_fresh_equal": ([7, 7, 7], [7, 7, 7]),
     "prefills_ragged": ([3, 17, 8, 1 + 1], [3, 17, 8, 2]),
     "chunked_prefill_cached": ([6, 11], [20, 11]),
     "mixed": ([1, 1, 1, 5, 13, 2], [9, 30, 1, 5, 40, 3]),
@@ -170,6 +171,26 @@ def test_sliding_window_and_softcap(shape: str, sliding_window: int | None, soft
     out = run_torch(batch, scale=scale, sliding_window=sliding_window, softcap=softcap)
     expected = reference_attention(batch, scale, sliding_window, softcap)
     assert_matches(out, expected)
+
+
+@pytest.mark.parametrize(
+    ("shape", "causal"),
+    [("prefill", True), ("prefills_fresh_equal", True), ("prefills_ragged", False),
+     ("chunked_prefill_cached", False)],
+)  # fmt: skip
+def test_fresh_equal_prompts_take_sdpas_causal_path(monkeypatch, shape: str, causal: bool):
+    """Prompts of one length computed from their first token skip the mask (SDPA is_causal with
+    GQA); a window, a soft cap, a cached prefix or ragged lengths keep the masked path."""
+    calls = []
+    original = attention._causal_attention
+    monkeypatch.setattr(attention, "_causal_attention", lambda *a: calls.append(1) or original(*a))
+    batch = make_batch(*SHAPES[shape], q_heads=9, kv_heads=3, head_dim=16, seed=4)
+    assert_matches(run_torch(batch, scale=0.25), reference_attention(batch, 0.25, None, None))
+    assert bool(calls) == causal
+    calls.clear()
+    run_torch(make_batch(*SHAPES[shape], q_heads=9, kv_heads=3, head_dim=16), scale=0.25,
+              sliding_window=4)  # fmt: skip
+    assert not calls
 
 
 def test_every_layer_reuses_the_step_metadata():
