@@ -24,6 +24,11 @@ static inline void store(void *p, int64_t i, float v, const int bf16) {
 
 #define ROW_ROUTINE static inline __attribute__((always_inline)) void
 
+/* The loop of every entry point over its rows r: split over `nthreads` threads when above 1. */
+#define FOR_EACH_ROW(count)                                                                    \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)")        \
+    for (int64_t r = 0; r < (count); r++)
+
 /* Row r: x += delta (when given; rounded to the dtype, as the model's add is), then
  * out = x / rms(x) * weight. */
 ROW_ROUTINE add_rms_norm_row(void *x, const void *delta, const void *weight, void *out, int64_t r,
@@ -85,37 +90,31 @@ ROW_ROUTINE silu_mul_row(const void *gate_up, void *out, int64_t r, int64_t widt
 
 void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out,
                       int64_t rows, int64_t hidden, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t r = 0; r < rows; r++) add_rms_norm_row(x, delta, weight, out, r, hidden, eps, 0);
+    FOR_EACH_ROW(rows) add_rms_norm_row(x, delta, weight, out, r, hidden, eps, 0);
 }
 
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out,
                        int64_t rows, int64_t hidden, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t r = 0; r < rows; r++) add_rms_norm_row(x, delta, weight, out, r, hidden, eps, 1);
+    FOR_EACH_ROW(rows) add_rms_norm_row(x, delta, weight, out, r, hidden, eps, 1);
 }
 
 void rope_f32(float *qk, int64_t stride, const float *cos, const float *sin, int64_t tokens,
               int64_t heads, int64_t head_dim, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t t = 0; t < tokens; t++) rope_row(qk, stride, cos, sin, t, heads, head_dim, 0);
+    FOR_EACH_ROW(tokens) rope_row(qk, stride, cos, sin, r, heads, head_dim, 0);
 }
 
 void rope_bf16(uint16_t *qk, int64_t stride, const uint16_t *cos, const uint16_t *sin,
                int64_t tokens, int64_t heads, int64_t head_dim, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t t = 0; t < tokens; t++) rope_row(qk, stride, cos, sin, t, heads, head_dim, 1);
+    FOR_EACH_ROW(tokens) rope_row(qk, stride, cos, sin, r, heads, head_dim, 1);
 }
 
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t width, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up, out, r, width, 0);
+    FOR_EACH_ROW(rows) silu_mul_row(gate_up, out, r, width, 0);
 }
 
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width,
                    int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up, out, r, width, 1);
+    FOR_EACH_ROW(rows) silu_mul_row(gate_up, out, r, width, 1);
 }
 
 /* out[r] = the first index of row r's largest value, or of its first NaN if it has one (what
@@ -154,14 +153,12 @@ ROW_ROUTINE argmax_row(const void *x, int64_t *out, int64_t r, int64_t cols, con
 }
 
 void argmax_rows_f32(const float *x, int64_t *out, int64_t rows, int64_t cols, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t r = 0; r < rows; r++) argmax_row(x, out, r, cols, 0);
+    FOR_EACH_ROW(rows) argmax_row(x, out, r, cols, 0);
 }
 
 void argmax_rows_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t cols,
                       int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t r = 0; r < rows; r++) argmax_row(x, out, r, cols, 1);
+    FOR_EACH_ROW(rows) argmax_row(x, out, r, cols, 1);
 }
 
 /* dst row slots[t] = src row t (row_bytes each; src rows row_stride bytes apart): the new tokens'
