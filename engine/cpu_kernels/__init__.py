@@ -45,6 +45,8 @@ _BUILD_TIMEOUT_S = 120
 # Logits from which argmax_rows splits rows over threads (a thread wake-up costs ~70 us here).
 _ARGMAX_PARALLEL = 1 << 18
 _STALE_AFTER_S = 14 * 24 * 3600
+# The element types of the typed entry points (name_f32, name_bf16).
+DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _STDERR_TAIL = 2000
 
 _lock = threading.Lock()
@@ -251,7 +253,7 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
     """Each row's first index of its largest value (of its first NaN, if any), as
     ``x.max(dim=-1).indices`` gives it; None when x is not a contiguous fp32/bf16 CPU matrix or
     the kernels are unavailable: the caller uses torch."""
-    suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(x.dtype)
+    suffix = DTYPE_SUFFIXES.get(x.dtype)
     lib = load() if suffix and x.device.type == "cpu" else None
     if lib is None or x.dim() != 2 or not x.is_contiguous():
         return None
@@ -310,7 +312,7 @@ def _build_and_load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_float, i64, ctypes.c_float]
     fn.restype = ctypes.c_int
-    for suffix in ("f32", "bf16"):
+    for suffix in DTYPE_SUFFIXES.values():
         norm, rope = getattr(lib, "add_rms_norm_" + suffix), getattr(lib, "rope_" + suffix)
         norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
         norm.restype = None

@@ -21,15 +21,12 @@ from engine.cpu_threads import all_threads, threads_for
 _PARALLEL_ELEMENTS = 1 << 16
 
 
-_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
 class FusedOps:
     """``add_rms_norm`` and ``rope`` for tensors of one dtype on one device (``StepOps`` binds them,
     and ``silu_mul``, to one forward pass)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        suffix = _SUFFIXES.get(dtype) if device.type == "cpu" else None
+        suffix = cpu_kernels.DTYPE_SUFFIXES.get(dtype) if device.type == "cpu" else None
         self._lib = cpu_kernels.load() if suffix else None
         if self._lib is not None:
             self._norm = getattr(self._lib, "add_rms_norm_" + suffix)
