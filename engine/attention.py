@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.cpu_threads import all_threads, release, threads_for
+from engine.cpu_threads import all_threads, threads_by_work, threads_for
 
 # "triton" | "cpu" | "torch" | unset (auto: triton on CUDA, cpu on CPU when its kernel builds)
 BACKEND_ENV = "MODELYARD_ATTENTION_BACKEND"
@@ -383,15 +383,12 @@ def _attend_group(
         q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, q_per_kv * max_q, head_dim)
 
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D] strided views, no copy
-    threads = threads_for(q.numel() * k.shape[2], _PARALLEL_MACS)
-    if threads:
-        torch.set_num_threads(threads)
-    if softcap is None:
-        bias = _additive_mask(group, mask, sliding_window, q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    else:
-        out = _softcapped_attention(q, k, v, mask, scale, softcap)
-    release(threads)
+    with threads_by_work(q.numel() * k.shape[2], _PARALLEL_MACS):
+        if softcap is None:
+            bias = _additive_mask(group, mask, sliding_window, q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        else:
+            out = _softcapped_attention(q, k, v, mask, scale, softcap)
 
     if max_q == 1:
         return out.reshape(num_seqs, q_heads, head_dim).contiguous()
@@ -420,13 +417,10 @@ def _causal_attention(
     q = query if group.rows is None else query.index_select(0, group.rows)
     q = q.view(num_seqs, length, *query.shape[1:]).transpose(1, 2)  # [B, Hq, L, D]
     k, v = k[:, :length].transpose(1, 2), v[:, :length].transpose(1, 2)  # [B, Hkv, L, D]
-    threads = threads_for(q.numel() * length // 2, _PARALLEL_MACS)
-    if threads:
-        torch.set_num_threads(threads)
-    out = F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
-    )
-    release(threads)
+    with threads_by_work(q.numel() * length // 2, _PARALLEL_MACS):
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
     return out.transpose(1, 2).reshape(num_seqs * length, *query.shape[1:])
 
 
@@ -465,12 +459,9 @@ def _gather_context(
     num_seqs = len(group.seq_lens)
     shape = (num_seqs, block_ids.numel() // num_seqs * block_size, *k_cache.shape[2:])
     k_buf, v_buf = _workspace(k_cache, block_ids.numel())
-    threads = threads_for(k_buf.numel(), _PARALLEL_GATHER_ELEMENTS)
-    if threads:
-        torch.set_num_threads(threads)
-    torch.index_select(k_cache, 0, block_ids, out=k_buf)
-    torch.index_select(v_cache, 0, block_ids, out=v_buf)
-    release(threads)
+    with threads_by_work(k_buf.numel(), _PARALLEL_GATHER_ELEMENTS):
+        torch.index_select(k_cache, 0, block_ids, out=k_buf)
+        torch.index_select(v_cache, 0, block_ids, out=v_buf)
     return k_buf.view(shape), v_buf.view(shape)
 
 

@@ -39,10 +39,23 @@ def threads_for(work: float, threshold: float) -> int:
     """Threads to set around an op of ``work`` units (0: leave the count alone).
 
     Inside `split_threads`, returns the full count when work >= threshold; the caller sets it
-    with torch.set_num_threads and restores 1 afterwards (`release`).
+    with torch.set_num_threads and restores 1 afterwards (`release`), or lets `threads_by_work`
+    do both around a block.
     """
     threads = getattr(_state, "threads", 0)
     return threads if threads and work >= threshold else 0
+
+
+@contextmanager
+def threads_by_work(work: float, threshold: float) -> Iterator[None]:
+    """The body on `threads_for`'s count (set, then `release`d), for torch ops of ``work`` units."""
+    threads = threads_for(work, threshold)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        release(threads)
 
 
 def all_threads() -> int:
