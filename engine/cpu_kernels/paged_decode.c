@@ -280,8 +280,9 @@ static inline void attend_tile_avx512(const float *q, const void *k, const void 
 }
 #endif
 
-/* Whether attend_tile reads bf16 rows itself (else they must be widened to fp32 first). */
-static inline int reads_bf16(int64_t head_dim) {
+/* Whether attend_tile takes the AVX-512 routine for this head_dim, which also reads bf16 rows
+ * itself (the portable one needs them widened to fp32 first). */
+static inline int avx512_tiles(int64_t head_dim) {
 #ifdef __AVX512F__
     return head_dim % 64 == 0;
 #else
@@ -291,12 +292,12 @@ static inline int reads_bf16(int64_t head_dim) {
 }
 
 /* The tile routine for this head_dim on this CPU; k and v rows hold bf16 when bf16 (only where
- * reads_bf16), else fp32. */
+ * avx512_tiles), else fp32. */
 static void attend_tile(const float *q, const void *k, const void *v, int64_t rs, int64_t n,
                         int64_t group, int64_t head_dim, float softcap, Running *running,
                         float *out, const NextRows *next, int bf16) {
 #ifdef __AVX512F__
-    if (head_dim % 64 == 0) { /* one copy per element type, the branch out of the loops */
+    if (avx512_tiles(head_dim)) { /* one copy per element type, the branch out of the loops */
         if (bf16)
             attend_tile_avx512(q, k, v, rs, n, group, head_dim, softcap, running, out, next, 1);
         else
@@ -402,7 +403,7 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const void *row, 
     }
     memset(acc, 0, (size_t)(q_heads * head_dim) * sizeof(float));
     const int64_t element = k_pool->bf16 ? 2 : 4;
-    const int widen = k_pool->bf16 && !reads_bf16(head_dim); /* bf16 tiles to fp32 copies */
+    const int widen = k_pool->bf16 && !avx512_tiles(head_dim); /* bf16 tiles to fp32 copies */
     const int64_t tile_element = widen ? 4 : element;
     for (int64_t j = first, n = tile_length(j, seq_len, block_size); j < seq_len;) {
         const int64_t block = table[j / block_size], slot = j % block_size;
