@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,31 +72,37 @@ class ServeProcess:
 
     def wait_serving(self, timeout: float = 15.0) -> None:
         """Until /ready answers 200 (some model has a backend that takes traffic)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"gateway exited with {self.proc.returncode}: {self.stderr()}")
-            with contextlib.suppress(OSError):
-                if http_get(self.url + "/ready", timeout=0.5)[0] == 200:
-                    return
-            time.sleep(0.05)
-        raise AssertionError(f"gateway not serving in {timeout}s: {self.stderr()}")
+        self._wait_until(
+            lambda: http_get(self.url + "/ready", timeout=0.5)[0] == 200, timeout, 0.05, "serving"
+        )
 
     def wait_ready(self, replicas: int, timeout: float) -> None:
         """Until ``replicas`` engines run under this gateway and all of them take traffic."""
+
+        def ready() -> bool:
+            self.engine_pids |= children_of(self.proc.pid)
+            status, state = http_get(self.url + "/admin/backends", token=self.admin_key)
+            if status != 200 or len(self.engine_pids) < replicas:
+                return False
+            backends = [b for m in state["models"] for b in m["backends"]]
+            return sum(b["available"] for b in backends) >= replicas
+
+        self._wait_until(ready, timeout, 0.1, "ready")
+
+    def _wait_until(
+        self, done: Callable[[], bool], timeout: float, interval: float, what: str
+    ) -> None:
+        """Poll ``done`` (a connection error counts as not yet) until it holds; fails at once if
+        the gateway exits, or after ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"gateway exited with {self.proc.returncode}: {self.stderr()}")
-            self.engine_pids |= children_of(self.proc.pid)
             with contextlib.suppress(OSError):
-                status, state = http_get(self.url + "/admin/backends", token=self.admin_key)
-                if status == 200 and len(self.engine_pids) >= replicas:
-                    backends = [b for m in state["models"] for b in m["backends"]]
-                    if sum(b["available"] for b in backends) >= replicas:
-                        return
-            time.sleep(0.1)
-        raise AssertionError(f"gateway not ready in {timeout}s: {self.stderr()}")
+                if done():
+                    return
+            time.sleep(interval)
+        raise AssertionError(f"gateway not {what} in {timeout}s: {self.stderr()}")
 
     def stderr(self, tail: int | None = 4000) -> str:
         """The last ``tail`` characters of the gateway's stderr (None: all of it)."""
