@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="no C compiler: the kernel cannot be built here"
 )
 
-RAGGED = [1, 15, 16, 17, 130]
+RAGGED = [1, 15, 16, 17, 130, 600]  # 600: three of the kernel's 256-key chunks
 ATOL = 1e-5
 
 
@@ -63,7 +63,9 @@ def decode_batch(q_heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> P
 
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(9, 3), (4, 4)])
 @pytest.mark.parametrize("head_dim", [64, 24])
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, None), (None, 5.0), (8, 2.0)])
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(None, None), (20, None), (300, None), (None, 5.0), (8, 2.0)]
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_references(q_heads, kv_heads, head_dim, window, softcap, threads):
     batch = decode_batch(q_heads, kv_heads, head_dim)
@@ -85,9 +87,10 @@ def test_kernel_matches_references(q_heads, kv_heads, head_dim, window, softcap,
 def test_kernel_reads_a_strided_table_and_a_non_contiguous_query():
     """Table rows with padding beyond max_blocks (a column slice) and a head-major query view."""
     batch = decode_batch(9, 3, 64, seed=3)
-    wide = torch.full((len(RAGGED), 20), 10**6, dtype=torch.int32)
-    wide[:, : batch.meta.block_tables.shape[1]] = batch.meta.block_tables
-    table_view = wide[:, : batch.meta.block_tables.shape[1]]
+    max_blocks = batch.meta.block_tables.shape[1]
+    wide = torch.full((len(RAGGED), max_blocks + 7), 10**6, dtype=torch.int32)
+    wide[:, :max_blocks] = batch.meta.block_tables
+    table_view = wide[:, :max_blocks]
     query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
     out = cpu_kernels.paged_decode_attention(
         query, batch.k_cache, batch.v_cache, table_view, batch.meta.seq_lens, 0.125, None, None, 2
