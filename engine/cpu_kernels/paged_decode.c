@@ -31,13 +31,13 @@
 #include "fast_exp.h"
 
 #define TILE 16
-#define CHUNK 256                 /* keys whose scores a task holds at once */
+#define CHUNK 256               /* keys whose scores a task holds at once */
 #define S_STRIDE (CHUNK + TILE) /* floats per query head's scores (a tile's stores run past) */
 
-/* Rows of the tile that starts at position j of a sequence: up to TILE, within j's block. */
-static inline int64_t tile_length(int64_t j, int64_t seq_len, int64_t block_size) {
+/* Rows of the tile that starts at key position j: up to TILE, within j's block, before `end`. */
+static inline int64_t tile_length(int64_t j, int64_t end, int64_t block_size) {
     int64_t n = block_size - j % block_size < TILE ? block_size - j % block_size : TILE;
-    return seq_len - j < n ? seq_len - j : n;
+    return end - j < n ? end - j : n;
 }
 
 /* Visible keys of a query at position seq_len - 1: [first, seq_len). */
