@@ -49,11 +49,13 @@ def naive_decode(
     return out
 
 
-def decode_batch(q_heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> PagedBatch:
+def decode_batch(
+    q_heads: int, kv_heads: int, head_dim: int, seed: int = 0, block_size: int = 16
+) -> PagedBatch:
     """Ragged decode batch with shuffled block tables; the current token's K/V already written."""
     batch = make_batch(
         [1] * len(RAGGED), RAGGED, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-        block_size=16, seed=seed,
+        block_size=block_size, seed=seed,
     )  # fmt: skip
     write_kv_cache_torch(
         batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping
@@ -81,6 +83,20 @@ def test_kernel_matches_references(q_heads, kv_heads, head_dim, window, softcap,
     torch.testing.assert_close(out.double(), reference_attention(batch, scale, window, softcap),
                                atol=ATOL, rtol=1e-5)  # fmt: skip
     torch.testing.assert_close(out.double(), naive_decode(batch, scale, window, softcap),
+                               atol=ATOL, rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("block_size", [8, 24, 32])
+@pytest.mark.parametrize("head_dim", [64, 24])
+@pytest.mark.parametrize("window", [None, 300])
+def test_kernel_with_other_block_sizes(block_size, head_dim, window):
+    """Tiles stop at block ends and at the kernel's 16-aligned chunk ends, whatever the block."""
+    batch = decode_batch(9, 3, head_dim, seed=block_size, block_size=block_size)
+    out = cpu_kernels.paged_decode_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables, batch.meta.seq_lens,
+        0.125, window, None, 2,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), naive_decode(batch, 0.125, window, None),
                                atol=ATOL, rtol=1e-5)  # fmt: skip
 
 
