@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from engine.cpu_kernels.fused_ops import FusedOps, StepOps
-from engine.linear import FusedMember, PrepackedLinear
+from engine.cpu_threads import all_threads
+from engine.linear import FusedMember, PrepackedLinear, StepGemms
 
 if TYPE_CHECKING:  # the runner imports this module
     from engine.runner import StepContext
@@ -98,10 +99,11 @@ class LeanLlamaForward:
         if ops.uses_kernels:  # rotary is in the kernels' form
             fused = attention.fused_decode(rotary, self.num_heads, x.dtype)
         step_ops = StepOps(ops, x, self.mlp_width)
+        gemms = StepGemms(tokens, all_threads() or torch.get_num_threads())
         delta = None  # the previous block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
             h = step_ops.add_rms_norm(delta, *layer.input_norm)
-            qkv = layer.qkv(h)
+            qkv = gemms(layer.qkv, h)
             if fused is not None:
                 attn = fused(index, qkv, layer.scale, layer.sliding_window)
             else:
@@ -116,8 +118,10 @@ class LeanLlamaForward:
                     layer.sliding_window,
                     None,
                 )
-            h = step_ops.add_rms_norm(layer.o_proj(attn.reshape(tokens, q_width)), *layer.post_norm)
-            delta = layer.down(step_ops.silu_mul(layer.gate_up(h)))
+            h = step_ops.add_rms_norm(
+                gemms(layer.o_proj, attn.reshape(tokens, q_width)), *layer.post_norm
+            )
+            delta = gemms(layer.down, step_ops.silu_mul(gemms(layer.gate_up, h)))
         if sample_rows is None:
             return None
         rows = x.index_select(0, sample_rows)  # a copy: the norm's in-place add stays local

@@ -1,13 +1,16 @@
-"""Linear layers on the device's fastest path: oneDNN-prepacked weights on CPU.
+"""Linear layers on the device's fastest path: prepacked weights on CPU.
 
 On CPU, ``F.linear`` re-lays the weight out for oneDNN on every call; reordering it once at load
 (what inductor's weight freezing does) makes the model's GEMMs markedly faster from a few rows on.
-For a single row (batch-1 decode) a GEMV on a plain copy of the weight is faster still (SmolLM2's
-linears: 39 ms instead of 61 ms per step), so the plain copy is kept too, at the price of holding
-the linear weights twice (+540 MB for SmolLM2 in fp32). bf16 weights (on CPUs with AVX512-BF16 or
-AMX) run every GEMM prepacked, single rows included: SmolLM2's linears at 64 rows took 24 ms in bf16
-against 67 ms in fp32 here. On CUDA the plain ``nn.Linear`` already
-runs cuBLAS, so nothing is replaced there.
+For decode-sized batches (up to engine.cpu_kernels.panel_gemm.MAX_ROWS rows) fp32 weights also get
+a copy in the panel layout of the engine's own GEMM, faster still, called through `StepGemms` by
+the lean forward: a SmolLM2 decode step's linears took 27-29 ms instead of 37-39 at batch 1 (a
+plain-weight GEMV before), 53-55 instead of 57-58 at 16 and 91-94 instead of 106-114 at 64. Without
+the C kernels (no compiler, no AVX-512) a plain copy serves single rows instead. Either copy holds
+the linear weights a second time (+540 MB for SmolLM2 in fp32). bf16 weights (on CPUs with
+AVX512-BF16 or AMX) run every GEMM prepacked, single rows included: SmolLM2's linears at 64 rows
+took 24 ms in bf16 against 67 ms in fp32 here. On CUDA the plain ``nn.Linear`` already runs cuBLAS,
+so nothing is replaced there.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
+from engine.cpu_kernels import panel_gemm
 from engine.cpu_threads import all_threads, release
 
 
@@ -36,8 +41,9 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PrepackedLinear(nn.Module):
-    """``y = x W^T + b`` with W held in oneDNN's blocked layout (fp32: and plain, for single rows;
-    bf16 single rows run faster prepacked, so no plain copy is kept)."""
+    """``y = x W^T + b`` with W held in oneDNN's blocked layout; fp32 also in the panel GEMM's
+    layout for decode-sized batches (or, without the C kernels, plain for single rows). bf16 single
+    rows run faster prepacked, so no second copy is kept."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int
@@ -46,9 +52,13 @@ class PrepackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
+        panels = panel_gemm.pack(weight)
+        self.register_buffer("panel_weight", panels, persistent=False)
         # A fresh copy: the loaded weight may live in file-backed memory, from which the batch-1
         # GEMVs streamed ~22% slower.
-        plain = weight.detach().clone() if weight.dtype == torch.float32 else None
+        plain = None
+        if weight.dtype == torch.float32 and panels is None:
+            plain = weight.detach().clone()
         self.register_buffer("plain_weight", plain, persistent=False)
         self.register_buffer(
             "bias", None if bias is None else bias.detach().clone(), persistent=False
@@ -61,6 +71,15 @@ class PrepackedLinear(nn.Module):
         # won in isolated micro-benchmarks (one thread below ~8M multiply-adds) lost ~10% of the
         # model's GEMM time at batch 1, where weights stream from memory.
         threads = all_threads()
+        if self.panel_weight is not None and rows.shape[0] <= panel_gemm.MAX_ROWS:
+            y = panel_gemm.linear(
+                rows.contiguous(),
+                self.panel_weight,
+                self.out_features,
+                self.bias,
+                threads or torch.get_num_threads(),
+            )
+            return y.view(*lead, self.out_features)
         if threads:
             torch.set_num_threads(threads)
         if rows.shape[0] == 1 and self.plain_weight is not None:
@@ -74,6 +93,45 @@ class PrepackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, prepacked=oneDNN"
+
+
+class StepGemms:
+    """One forward pass's linears (``gemms(linear, x)`` for ``linear(x)``) with one output buffer
+    per output width, reused by every layer, each panel GEMM a single ctypes call. Between two
+    GEMMs of a decode step the module call's Python and torch work (reshape, allocation, thread
+    bookkeeping) measured 35-45 us per linear here, against ~2 us for the bare call: the weight
+    stream evicts the interpreter's code and data. A returned tensor is overwritten by the next
+    call of the same width, so the caller consumes each one first (the lean forward does). Rows
+    over panel_gemm.MAX_ROWS, non-contiguous inputs and linears without panels take the module
+    call."""
+
+    def __init__(self, rows: int, threads: int) -> None:
+        self._rows = rows
+        self._threads = threads
+        self._outputs: dict[int, torch.Tensor] = {}
+        lib = cpu_kernels.load() if rows <= panel_gemm.MAX_ROWS else None
+        self._gemm = None if lib is None else lib.panel_gemm
+
+    def __call__(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        panels = getattr(linear, "panel_weight", None)
+        if panels is None or self._gemm is None or not x.is_contiguous():
+            return linear(x)
+        width = linear.out_features
+        out = self._outputs.get(width)
+        if out is None:
+            out = self._outputs[width] = torch.empty((self._rows, width), dtype=torch.float32)
+        bias = None if linear.bias is None else linear.bias.data_ptr()
+        self._gemm(
+            x.data_ptr(),
+            self._rows,
+            linear.in_features,
+            panels.data_ptr(),
+            width,
+            bias,
+            out.data_ptr(),
+            self._threads,
+        )
+        return out
 
 
 # Projections that transformers models apply to the same input one after the other; on the

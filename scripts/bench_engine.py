@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
-from engine.linear import PrepackedLinear  # noqa: E402
+from engine.cpu_threads import all_threads  # noqa: E402
+from engine.linear import PrepackedLinear, StepGemms  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -129,8 +130,9 @@ def model_linears(core: EngineCore) -> list[nn.Module]:
 
 def linear_pass(core: EngineCore, modules: list[nn.Module], batch: int, packed: bool):
     """A callable timing one pass over every linear at ``batch`` rows (one decode step's GEMMs):
-    through the engine's own modules under the engine's thread policy (``packed``), or plain
-    F.linear on unpacked weights of the same shapes on all threads."""
+    through the engine's own modules, called as the lean forward calls them, under the engine's
+    thread policy (``packed``), or plain F.linear on unpacked weights of the same shapes on all
+    threads."""
     device, dtype = core.runner.device, core.runner.loaded.dtype
     weights = [
         torch.randn(m.out_features, m.in_features, device=device, dtype=dtype) for m in modules
@@ -138,13 +140,6 @@ def linear_pass(core: EngineCore, modules: list[nn.Module], batch: int, packed: 
     inputs = {
         w.shape[1]: torch.randn(batch, w.shape[1], device=device, dtype=dtype) for w in weights
     }
-    calls = [
-        (lambda m=m: m(inputs[m.in_features]))
-        if packed
-        else (lambda w=w: F.linear(inputs[w.shape[1]], w))
-        for m, w in zip(modules, weights, strict=True)
-    ]
-
     threads = (lambda: core.runner.compute_threads(batch)) if packed else contextlib.nullcontext
 
     @torch.inference_mode()
@@ -152,8 +147,13 @@ def linear_pass(core: EngineCore, modules: list[nn.Module], batch: int, packed: 
         sync(device)
         started = time.perf_counter()
         with threads():
-            for call in calls:
-                call()
+            if packed:
+                gemms = StepGemms(batch, all_threads() or torch.get_num_threads())
+                for module in modules:
+                    gemms(module, inputs[module.in_features])
+            else:
+                for weight in weights:
+                    F.linear(inputs[weight.shape[1]], weight)
         sync(device)
         return time.perf_counter() - started
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.cpu_kernels import panel_gemm
 from engine.cpu_threads import split_threads, threads_for
 from engine.errors import CacheTooSmallError, InvalidRequestError
 from engine.fast_norms import FusedRMSNorm, fuse_rms_norms
@@ -76,11 +77,12 @@ def test_prepacked_linear_matches_f_linear(bias: bool, rows: int) -> None:
 @pytest.mark.skipif(
     not prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
 )
-@pytest.mark.parametrize("rows", [1, 2, 33])
+@pytest.mark.parametrize("rows", [1, 2, 33, 200])
 @pytest.mark.parametrize("split", [False, True])
 def test_prepacked_linear_paths_match_f_linear(rows: int, split: bool) -> None:
-    """One row takes the plain-weight GEMV, more rows the packed GEMM; both under the thread
-    policy (GEMMs on every thread, one thread restored after) and without it."""
+    """Decode-sized batches take the panel GEMM (without the C kernels: one row the plain-weight
+    GEMV), more rows oneDNN's packed GEMM; all under the thread policy (GEMMs on every thread, one
+    thread restored after) and without it."""
     torch.manual_seed(0)
     linear = nn.Linear(1536, 1024)
     small = nn.Linear(96, 160)
@@ -91,6 +93,22 @@ def test_prepacked_linear_paths_match_f_linear(rows: int, split: bool) -> None:
             torch.testing.assert_close(packed(inp), F.linear(inp, module.weight, module.bias))
             if split:
                 assert torch.get_num_threads() == 1  # restored after a parallel GEMM
+
+
+@pytest.mark.skipif(
+    not prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
+)
+def test_prepacked_linear_without_panel_gemm_keeps_a_plain_copy(monkeypatch) -> None:
+    """No C kernels (or no AVX-512): single rows run the plain-weight GEMV, as before the panels."""
+    monkeypatch.setattr(panel_gemm, "pack", lambda weight: None)
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160)
+    packed = PrepackedLinear(linear.weight, linear.bias, batch_size_hint=16)
+    assert packed.panel_weight is None and packed.plain_weight is not None
+    for rows in (1, 7):
+        x = torch.randn(rows, 96)
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
 
 
 @pytest.mark.skipif(

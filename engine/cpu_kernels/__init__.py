@@ -3,7 +3,8 @@
 `DecodeStep` is decode attention straight over the paged K/V pools (paged_decode.c), fp32 or bf16,
 optionally fused with the rotary and cache write of a decode-only step; `paged_decode_attention`
 is its one-call form for a query that is already rotated and written.
-`engine.cpu_kernels.fused_ops` wraps the lean forward's fused elementwise ops (fused_ops.c).
+`engine.cpu_kernels.fused_ops` wraps the lean forward's fused elementwise ops (fused_ops.c),
+`engine.cpu_kernels.panel_gemm` the fp32 linear layers of decode-sized batches (panel_gemm.c).
 
 The shared library is built once per process (lazily, thread-safe) into
 <MODELYARD_CACHE_DIR>/cpu_kernels/, named by a hash of the sources, flags, compiler version and CPU
@@ -34,7 +35,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "fused_ops.c"))
+_SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("paged_decode.c", "fused_ops.c", "panel_gemm.c")
+)
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "fast_exp.h"))
 # -ffp-contract=fast (gcc's default in GNU C mode, not clang's) fuses the D-loop multiply-adds
 # into FMAs; no -ffast-math, so NaN and inf stay IEEE. -lm goes after the source.
@@ -326,6 +329,14 @@ def _build_and_load() -> ctypes.CDLL | None:
         argmax.restype = None
     lib.scatter_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64]
     lib.scatter_rows.restype = None
+    lib.panel_gemm_available.argtypes = []
+    lib.panel_gemm_available.restype = ctypes.c_int
+    lib.panel_gemm_packed_size.argtypes = [i64, i64]
+    lib.panel_gemm_packed_size.restype = i64
+    lib.panel_gemm_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.panel_gemm_pack.restype = None
+    lib.panel_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.panel_gemm.restype = None
     return lib
 
 

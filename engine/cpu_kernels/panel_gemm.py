@@ -1,0 +1,55 @@
+"""fp32 linear layers for decode-sized batches on the C panel GEMM (panel_gemm.c).
+
+`pack` repacks a weight once at load; `linear` runs ``x W^T + b`` on it. engine.linear takes this
+path up to `MAX_ROWS` rows where the kernels are built with AVX-512, oneDNN's prepacked GEMM above.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import cpu_kernels
+
+# Rows up to which the panel GEMM beat oneDNN's prepacked GEMM at SmolLM2's shapes here (even at
+# 256 rows, oneDNN 10-20% faster at 1024).
+MAX_ROWS = 128
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [N, K] (fp32, CPU) in the panel layout; None where the panel GEMM is not built
+    (no compiler, no AVX-512) or does not apply (another dtype or device)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    lib = cpu_kernels.load()
+    if lib is None or not lib.panel_gemm_available():
+        return None
+    n, k = weight.shape
+    source = weight.detach().contiguous()
+    packed = torch.empty(lib.panel_gemm_packed_size(n, k), dtype=torch.float32)
+    lib.panel_gemm_pack(source.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def linear(
+    rows: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    threads: int,
+) -> torch.Tensor:
+    """``rows`` [M, K] (fp32, contiguous) times the weight `pack` made ``packed`` from, plus
+    ``bias`` [out_features] (contiguous) when given, on ``threads`` threads: [M, out_features]."""
+    lib = cpu_kernels.load()
+    m, k = rows.shape
+    out = torch.empty((m, out_features), dtype=torch.float32)
+    lib.panel_gemm(
+        rows.data_ptr(),
+        m,
+        k,
+        packed.data_ptr(),
+        out_features,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        threads,
+    )
+    return out
