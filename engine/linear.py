@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
 from engine.cpu_kernels import panel_gemm
 from engine.cpu_threads import all_threads, release
 
@@ -102,36 +101,29 @@ class StepGemms:
     bookkeeping) measured 35-45 us per linear here, against ~2 us for the bare call: the weight
     stream evicts the interpreter's code and data. A returned tensor is overwritten by the next
     call of the same width, so the caller consumes each one first (the lean forward does). Rows
-    over panel_gemm.MAX_ROWS, non-contiguous inputs and linears without panels take the module
-    call."""
+    over panel_gemm.MAX_ROWS, inputs not [rows, in_features] contiguous fp32 and linears without
+    panels take the module call."""
 
     def __init__(self, rows: int, threads: int) -> None:
         self._rows = rows
         self._threads = threads
         self._outputs: dict[int, torch.Tensor] = {}
-        lib = cpu_kernels.load() if rows <= panel_gemm.MAX_ROWS else None
-        self._gemm = None if lib is None else lib.panel_gemm
 
     def __call__(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         panels = getattr(linear, "panel_weight", None)
-        if panels is None or self._gemm is None or not x.is_contiguous():
+        if (
+            panels is None
+            or self._rows > panel_gemm.MAX_ROWS
+            or x.shape != (self._rows, linear.in_features)
+            or x.dtype != torch.float32
+            or not x.is_contiguous()
+        ):
             return linear(x)
         width = linear.out_features
         out = self._outputs.get(width)
         if out is None:
             out = self._outputs[width] = torch.empty((self._rows, width), dtype=torch.float32)
-        bias = None if linear.bias is None else linear.bias.data_ptr()
-        self._gemm(
-            x.data_ptr(),
-            self._rows,
-            linear.in_features,
-            panels.data_ptr(),
-            width,
-            bias,
-            out.data_ptr(),
-            self._threads,
-        )
-        return out
+        return panel_gemm.linear(x, panels, width, linear.bias, self._threads, out)
 
 
 # Projections that transformers models apply to the same input one after the other; on the

@@ -74,8 +74,8 @@ def test_step_gemms_reuse_one_output_per_width():
 
 
 def test_step_gemms_fall_back_to_the_module():
-    """Too many rows, a non-contiguous input or a linear without panels: the module's own call,
-    a fresh tensor each time."""
+    """Too many rows, a non-contiguous input, another row count than the pass's or a linear
+    without panels: the module's own call, a fresh tensor each time."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 160)
     packed = PrepackedLinear(linear.weight, linear.bias, batch_size_hint=16)
@@ -86,6 +86,7 @@ def test_step_gemms_fall_back_to_the_module():
         for gemms, module, x in (
             (StepGemms(rows=rows, threads=2), packed, big),
             (StepGemms(rows=4, threads=2), packed, strided),
+            (StepGemms(rows=4, threads=2), packed, torch.randn(3, 96)),  # other row count
             (StepGemms(rows=4, threads=2), linear, strided.contiguous()),
         ):
             out = gemms(module, x)

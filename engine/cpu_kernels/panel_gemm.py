@@ -36,13 +36,15 @@ def linear(
     out_features: int,
     bias: torch.Tensor | None,
     threads: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rows`` [M, K] (fp32, contiguous) times the weight `pack` made ``packed`` from, plus
-    ``bias`` [out_features] (contiguous) when given, on ``threads`` threads: [M, out_features]."""
-    lib = cpu_kernels.load()
+    ``bias`` [out_features] (contiguous) when given, on ``threads`` threads: [M, out_features],
+    written into ``out`` (fp32, contiguous, that shape) when given."""
     m, k = rows.shape
-    out = torch.empty((m, out_features), dtype=torch.float32)
-    lib.panel_gemm(
+    if out is None:
+        out = torch.empty((m, out_features), dtype=torch.float32)
+    cpu_kernels.load().panel_gemm(
         rows.data_ptr(),
         m,
         k,
