@@ -15,6 +15,7 @@
 
 #define PANEL 64
 #define ROWS 6
+#define PREFETCH_AHEAD 8 /* panel rows (256 bytes each) */
 
 int panel_gemm_available(void) {
 #ifdef __AVX512F__
@@ -51,6 +52,14 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
+        /* the panel's row PREFETCH_AHEAD ahead: with two or more input rows the hardware
+           prefetcher alone left the weight stream behind (batch 16: 1.15x with this); for one row
+           it keeps up and the extra instructions only cost */
+        if (rows >= 2)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                _mm_prefetch((const char *)(panel + (i + PREFETCH_AHEAD) * PANEL + 16 * c),
+                             _MM_HINT_T0);
         __m512 w[4];
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) w[c] = _mm512_loadu_ps(panel + i * PANEL + 16 * c);
