@@ -5,7 +5,8 @@ On CPU, ``F.linear`` re-lays the weight out for oneDNN on every call; reordering
 For decode-sized batches (up to engine.cpu_kernels.panel_gemm.MAX_ROWS rows) fp32 weights also get
 a copy in the panel layout of the engine's own GEMM, faster still, called through `StepGemms` by
 the lean forward: a SmolLM2 decode step's linears took 27-29 ms instead of 37-39 at batch 1 (a
-plain-weight GEMV before), 53-55 instead of 57-58 at 16 and 91-94 instead of 106-114 at 64. Without
+plain-weight GEMV before), 53-55 instead of 57-58 at 16 and 91-94 instead of 106-114 at 64 (one
+A/B run), then with the kernel's weight prefetch 45-47 at 16 and 87-89 at 64 (another). Without
 the C kernels (no compiler, no AVX-512) a plain copy serves single rows instead. Either copy holds
 the linear weights a second time (+540 MB for SmolLM2 in fp32). bf16 weights (on CPUs with
 AVX512-BF16 or AMX) run every GEMM prepacked, single rows included: SmolLM2's linears at 64 rows

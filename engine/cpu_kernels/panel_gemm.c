@@ -5,8 +5,9 @@
  * to the OpenMP team dynamically, so the caller's thread starts on them while the others wake (a
  * wake-up costs ~100 us on this VM). At SmolLM2's layer shapes (30 layers' weights streaming from
  * memory, outputs preallocated) this ran 1.2x faster than oneDNN's prepacked GEMMs at 16 and 64
- * rows and 1.3x faster than a plain-weight GEMV at one row; from a few hundred rows on oneDNN's
- * blocking wins again, and the caller switches back. AVX-512 only: elsewhere
+ * rows and 1.3x faster than a plain-weight GEMV at one row before the weight prefetch, which added
+ * 1.15x at 16 rows; from a few hundred rows on oneDNN's blocking wins again, and the caller
+ * switches back. AVX-512 only: elsewhere
  * panel_gemm_available() is 0 and the caller keeps oneDNN. */
 #include <stdint.h>
 #ifdef __AVX512F__
