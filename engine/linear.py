@@ -92,7 +92,11 @@ class PrepackedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, prepacked=oneDNN"
+        panels = ", panels (decode-sized batches)" if self.panel_weight is not None else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"prepacked=oneDNN{panels}"
+        )
 
 
 class StepGemms:

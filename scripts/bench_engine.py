@@ -259,8 +259,8 @@ def bench_limit(args: argparse.Namespace) -> dict:
                 "postprocess": round(t.postprocess_s / n * 1e3, 3),
             },
             "decode_tokens_per_s": round(batch / step_s, 1),
+            "attention_gb_per_s": round(kv_bytes / (t.attention_s / n) / 1e9, 1),
         }
-        row["attention_gb_per_s"] = round(kv_bytes / (t.attention_s / n) / 1e9, 1)
         log(f"limit B={batch}: {row}")
         results.append(row)
     return {

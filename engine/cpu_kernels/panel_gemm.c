@@ -7,8 +7,8 @@
  * memory, outputs preallocated) this ran 1.2x faster than oneDNN's prepacked GEMMs at 16 and 64
  * rows and 1.3x faster than a plain-weight GEMV at one row before the weight prefetch, which added
  * 1.15x at 16 rows; from a few hundred rows on oneDNN's blocking wins again, and the caller
- * switches back. AVX-512 only: elsewhere
- * panel_gemm_available() is 0 and the caller keeps oneDNN. */
+ * switches back. AVX-512 only: elsewhere panel_gemm_available() is 0 and the caller keeps
+ * oneDNN. */
 #include <stdint.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -26,12 +26,15 @@ int panel_gemm_available(void) {
 #endif
 }
 
+/* Panels of an n-column output (the last one zero-padded). */
+static inline int64_t panel_count(int64_t n) { return (n + PANEL - 1) / PANEL; }
+
 /* Floats of the packed form of an [n, k] weight. */
-int64_t panel_gemm_packed_size(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * k * PANEL; }
+int64_t panel_gemm_packed_size(int64_t n, int64_t k) { return panel_count(n) * k * PANEL; }
 
 /* w [n, k] row-major -> packed [panels][k][PANEL], columns past n zero. */
 void panel_gemm_pack(const float *w, int64_t n, int64_t k, float *packed) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int64_t panels = panel_count(n);
     for (int64_t p = 0; p < panels; p++) {
         float *panel = packed + p * k * PANEL;
         for (int64_t c = 0; c < PANEL; c++) {
@@ -95,7 +98,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 void panel_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                 const float *bias, float *y, int nthreads) {
 #ifdef __AVX512F__
-    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int64_t panels = panel_count(n);
 #pragma omp parallel for schedule(dynamic) num_threads(nthreads) if (nthreads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; p++) {
         const float *panel = packed + p * k * PANEL;
