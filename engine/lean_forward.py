@@ -121,7 +121,7 @@ class LeanLlamaForward:
             h = step_ops.add_rms_norm(
                 gemms(layer.o_proj, attn.reshape(tokens, q_width)), *layer.post_norm
             )
-            delta = gemms(layer.down, step_ops.silu_mul(gemms(layer.gate_up, h)))
+            delta = gemms(layer.down, gemms.silu_mul(layer.gate_up, h, step_ops.silu_mul))
         if sample_rows is None:
             return None
         rows = x.index_select(0, sample_rows)  # a copy: the norm's in-place add stays local

@@ -16,6 +16,8 @@ so nothing is replaced there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,17 +45,23 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class PrepackedLinear(nn.Module):
     """``y = x W^T + b`` with W held in oneDNN's blocked layout; fp32 also in the panel GEMM's
     layout for decode-sized batches (or, without the C kernels, plain for single rows). bf16 single
-    rows run faster prepacked, so no second copy is kept."""
+    rows run faster prepacked, so no second copy is kept. ``paired``: the weight is an MLP's
+    [gate; up], packed so that `StepGemms.silu_mul` can apply the activation inside the GEMM."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        batch_size_hint: int,
+        paired: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
-        panels = panel_gemm.pack(weight)
+        panels = panel_gemm.pack(weight, paired)
         self.register_buffer("panel_weight", panels, persistent=False)
+        self.paired = paired
         # A fresh copy: the loaded weight may live in file-backed memory, from which the batch-1
         # GEMVs streamed ~22% slower.
         plain = None
@@ -78,6 +86,7 @@ class PrepackedLinear(nn.Module):
                 self.out_features,
                 self.bias,
                 threads or torch.get_num_threads(),
+                paired=self.paired,
             )
             return y.view(*lead, self.out_features)
         if threads:
@@ -100,40 +109,70 @@ class PrepackedLinear(nn.Module):
 
 
 class StepGemms:
-    """One forward pass's linears (``gemms(linear, x)`` for ``linear(x)``) with one output buffer
-    per output width, reused by every layer, each panel GEMM a single ctypes call. Between two
-    GEMMs of a decode step the module call's Python and torch work (reshape, allocation, thread
-    bookkeeping) measured 35-45 us per linear here, against ~2 us for the bare call: the weight
-    stream evicts the interpreter's code and data. A returned tensor is overwritten by the next
-    call of the same width, so the caller consumes each one first (the lean forward does). Rows
+    """One forward pass's linears (``gemms(linear, x)`` for ``linear(x)``, ``gemms.silu_mul`` for
+    an MLP's activated [gate; up]) with one output buffer per output width and kind, reused by
+    every layer, each panel GEMM a single ctypes call. Between two GEMMs of a decode step the
+    module call's Python and torch work (reshape, allocation, thread bookkeeping) measured 35-45 us
+    per linear here, against ~2 us for the bare call: the weight stream evicts the interpreter's
+    code and data. A returned tensor is overwritten by the next call of the same width and kind,
+    so the caller consumes each one first (the lean forward does). Rows
     over panel_gemm.MAX_ROWS, inputs not [rows, in_features] contiguous fp32 and linears without
     panels take the module call."""
 
     def __init__(self, rows: int, threads: int) -> None:
         self._rows = rows
         self._threads = threads
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
 
     def __call__(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        panels = getattr(linear, "panel_weight", None)
-        if (
-            panels is None
-            or self._rows > panel_gemm.MAX_ROWS
-            or x.shape != (self._rows, linear.in_features)
-            or x.dtype != torch.float32
-            or not x.is_contiguous()
-        ):
+        if not self._on_panels(linear, x):
             return linear(x)
-        width = linear.out_features
-        out = self._outputs.get(width)
+        return self._panel_gemm(linear, x, gated=False)
+
+    def silu_mul(
+        self,
+        gate_up: nn.Module,
+        x: torch.Tensor,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """``silu(gate) * up`` of a [gate; up] linear: applied inside the GEMM where it runs on
+        paired panels, else ``activation`` of the linear's output [rows, 2W] (the same math)."""
+        if getattr(gate_up, "paired", False) and self._on_panels(gate_up, x):
+            return self._panel_gemm(gate_up, x, gated=True)
+        return activation(self(gate_up, x))
+
+    def _on_panels(self, linear: nn.Module, x: torch.Tensor) -> bool:
+        return (
+            getattr(linear, "panel_weight", None) is not None
+            and self._rows <= panel_gemm.MAX_ROWS
+            and x.shape == (self._rows, linear.in_features)
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+        )
+
+    def _panel_gemm(self, linear: PrepackedLinear, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        width = linear.out_features // 2 if gated else linear.out_features
+        key = (width, gated)
+        out = self._outputs.get(key)
         if out is None:
-            out = self._outputs[width] = torch.empty((self._rows, width), dtype=torch.float32)
-        return panel_gemm.linear(x, panels, width, linear.bias, self._threads, out)
+            out = self._outputs[key] = torch.empty((self._rows, width), dtype=torch.float32)
+        return panel_gemm.linear(
+            x,
+            linear.panel_weight,
+            linear.out_features,
+            linear.bias,
+            self._threads,
+            out,
+            paired=linear.paired,
+            gated=gated,
+        )
 
 
 # Projections that transformers models apply to the same input one after the other; on the
 # prepacked path each group runs as one GEMM (fewer, wider GEMMs are faster on CPU).
-FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# The MLP's pair, whose fused weight is packed paired (see PrepackedLinear).
+GATE_UP = ("gate_proj", "up_proj")
+FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), GATE_UP)
 
 
 class FusedProjection(nn.Module):
@@ -144,13 +183,15 @@ class FusedProjection(nn.Module):
     version counter match), and recompute otherwise.
     """
 
-    def __init__(self, linears: list[nn.Linear], batch_size_hint: int) -> None:
+    def __init__(
+        self, linears: list[nn.Linear], batch_size_hint: int, paired: bool = False
+    ) -> None:
         super().__init__()
         weight = torch.cat([m.weight.detach() for m in linears])
         has_bias = linears[0].bias is not None
         bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
-        self.gemm = PrepackedLinear(weight, bias, batch_size_hint)
         self.widths = [m.out_features for m in linears]
+        self.gemm = PrepackedLinear(weight, bias, batch_size_hint, paired)
         self._pending = _Pending()
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +251,8 @@ def _fuse_groups(parent: nn.Module, batch_size_hint: int) -> int:
             or len({m.bias is None for m in members}) != 1
         ):
             continue
-        fused = FusedProjection(members, batch_size_hint)
+        paired = names == GATE_UP and members[0].out_features == members[1].out_features
+        fused = FusedProjection(members, batch_size_hint, paired)
         parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), fused)
         for index, name in enumerate(names):
             setattr(parent, name, FusedMember(fused, index))

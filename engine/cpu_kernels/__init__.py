@@ -331,11 +331,11 @@ def _build_and_load() -> ctypes.CDLL | None:
     lib.scatter_rows.restype = None
     lib.panel_gemm_available.argtypes = []
     lib.panel_gemm_available.restype = ctypes.c_int
-    lib.panel_gemm_packed_size.argtypes = [i64, i64]
+    lib.panel_gemm_packed_size.argtypes = [i64, i64, i64]
     lib.panel_gemm_packed_size.restype = i64
-    lib.panel_gemm_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.panel_gemm_pack.argtypes = [ptr, i64, i64, i64, ptr]
     lib.panel_gemm_pack.restype = None
-    lib.panel_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.panel_gemm.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr, ctypes.c_int]
     lib.panel_gemm.restype = None
     return lib
 

@@ -1,5 +1,5 @@
 /* e^x for x <= 0 in plain C that gcc vectorises (libm's expf stays scalar without -ffast-math),
- * shared by the kernels. */
+ * and the SiLU built on it, shared by the kernels. */
 #ifndef MODELYARD_FAST_EXP_H
 #define MODELYARD_FAST_EXP_H
 
@@ -26,6 +26,12 @@ static inline float exp_nonpositive(float x) {
         float value;
     } two_n = {.bits = ((int32_t)n + 127) << 23};
     return x > -87.3f ? y * two_n.value : (x == x ? 0.0f : x);
+}
+
+/* silu(x) = x * sigmoid(x), sigmoid through e^-|x| so that nothing overflows. */
+static inline float silu(float x) {
+    const float e = exp_nonpositive(-fabsf(x));
+    return x * (x >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
 #endif

@@ -72,12 +72,6 @@ ROW_ROUTINE rope_row(void *qk, int64_t stride, const void *cos, const void *sin,
     }
 }
 
-/* silu(x) = x * sigmoid(x), sigmoid through e^-|x| so that nothing overflows. */
-static inline float silu(float x) {
-    const float e = exp_nonpositive(-fabsf(x));
-    return x * (x >= 0.0f ? 1.0f : e) / (1.0f + e);
-}
-
 /* Row r: out = silu(gate) * up of the row [gate | up] (2 * width elements), the MLP's
  * activation. */
 ROW_ROUTINE silu_mul_row(const void *gate_up, void *out, int64_t r, int64_t width, const int bf16) {
