@@ -48,6 +48,7 @@ class StepTimings:
     schedule_s: float = 0.0
     forward_s: float = 0.0  # runner.execute: batch building + model forward, attention included
     attention_s: float = 0.0  # inside forward; measured only when runner.time_attention is on
+    projected_layers: int = 0  # attention calls whose time includes their layer's qkv GEMM
     sample_s: float = 0.0
     postprocess_s: float = 0.0  # finish_step, appending, detokenizing, stop checks, outputs
 
@@ -180,6 +181,7 @@ class EngineCore:
         timings.schedule_s += t1 - t0
         timings.forward_s += t2 - t1
         timings.attention_s += self.runner.last_attention_s
+        timings.projected_layers += self.runner.last_projected_layers
         timings.sample_s += sample_s
         timings.postprocess_s += t5 - t2 - sample_s
         return outputs

@@ -103,10 +103,11 @@ class LeanLlamaForward:
         delta = None  # the previous block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
             h = step_ops.add_rms_norm(delta, *layer.input_norm)
-            qkv = gemms(layer.qkv, h)
-            if fused is not None:
+            if fused is not None:  # with the projection where the kernel can run it too
+                qkv = gemms.panel_operands(layer.qkv, h) or gemms(layer.qkv, h)
                 attn = fused(index, qkv, layer.scale, layer.sliding_window)
             else:
+                qkv = gemms(layer.qkv, h)
                 qk = ops.rope(qkv, rotary, qk_heads, self.head_dim)
                 v = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, -1)
                 attn = attention.attend(

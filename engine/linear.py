@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels import panel_gemm
+from engine.cpu_kernels import PanelOperands, panel_gemm
 from engine.cpu_threads import all_threads, release
 
 
@@ -141,6 +141,16 @@ class StepGemms:
             return self._panel_gemm(gate_up, x, gated=True)
         return activation(self(gate_up, x))
 
+    def panel_operands(self, linear: nn.Module, x: torch.Tensor) -> PanelOperands | None:
+        """What a kernel needs to run ``linear(x)`` on the panel GEMM itself (inside its own
+        parallel region; output into this pass's buffer of that width), or None where the panel
+        GEMM does not serve it (see the class)."""
+        if not self._on_panels(linear, x) or linear.paired:
+            return None
+        width = linear.out_features
+        out = self._output(width, gated=False)
+        return x, linear.panel_weight, width, linear.bias, out, self._threads
+
     def _on_panels(self, linear: nn.Module, x: torch.Tensor) -> bool:
         return (
             getattr(linear, "panel_weight", None) is not None
@@ -152,20 +162,24 @@ class StepGemms:
 
     def _panel_gemm(self, linear: PrepackedLinear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         width = linear.out_features // 2 if gated else linear.out_features
-        key = (width, gated)
-        out = self._outputs.get(key)
-        if out is None:
-            out = self._outputs[key] = torch.empty((self._rows, width), dtype=torch.float32)
         return panel_gemm.linear(
             x,
             linear.panel_weight,
             linear.out_features,
             linear.bias,
             self._threads,
-            out,
+            self._output(width, gated),
             paired=linear.paired,
             gated=gated,
         )
+
+    def _output(self, width: int, gated: bool) -> torch.Tensor:
+        out = self._outputs.get((width, gated))
+        if out is None:
+            out = self._outputs[width, gated] = torch.empty(
+                (self._rows, width), dtype=torch.float32
+            )
+        return out
 
 
 # Projections that transformers models apply to the same input one after the other; on the

@@ -3,8 +3,9 @@ libgomp reads these variables once, when it loads.
 
 Default: they sleep at once (``OMP_WAIT_POLICY=PASSIVE``). Engines share the machine's cores
 (several replicas, the gateway), and spinning workers made a contended 2-core decode step 10-50x
-slower. The price is a wake-up at every parallel region (each GEMM, each layer's attention),
-65-95 us on the 2-core VM we measure on, some 150 times per decode step.
+slower. The price is a wake-up at every parallel region (each GEMM; a layer's decode attention
+shares its qkv projection's), 65-95 us on the 2-core VM we measure on, some 120 times per decode
+step.
 
 ``--spin-wait`` (the gateway passes it when it runs a single engine): workers spin for
 ``GOMP_SPINCOUNT`` = 10000 turns (~0.1 ms by libgomp's estimate of 100k per ms) before they sleep,

@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 
 from engine.attention import AttentionMetadata, fused_decode_step, paged_attention
 from engine.config import EngineConfig
+from engine.cpu_kernels import PanelOperands
 from engine.cpu_threads import split_threads
 from engine.errors import ModelLoadError
 from engine.fast_norms import fuse_rms_norms
@@ -57,6 +58,7 @@ class StepContext:
     time_attention: bool = False
     attention_s: float = 0.0
     layers_called: set[int] = field(default_factory=set)
+    projected_layers: int = 0  # attention calls that also ran their layer's qkv GEMM
 
     def attend(
         self,
@@ -95,18 +97,24 @@ class StepContext:
 
     def fused_decode(
         self, rotary: tuple[torch.Tensor, torch.Tensor], q_heads: int, dtype: torch.dtype
-    ) -> Callable[[int, torch.Tensor, float, int | None], torch.Tensor] | None:
+    ) -> Callable[[int, torch.Tensor | PanelOperands, float, int | None], torch.Tensor] | None:
         """For a decode-only step on the C kernels: ``attend(layer, qkv, scale, sliding_window)``
         taking the layer's unrotated qkv rows [B, (Hq + 2 Hkv) * D] and doing rotary (``rotary``:
-        cos/sin [B, D]), the cache write and attention in one call, returning [B, Hq, D].
+        cos/sin [B, D]), the cache write and attention in one call, returning [B, Hq, D]. ``qkv``
+        may also be the qkv projection's panel GEMM (engine.linear.StepGemms.panel_operands),
+        which then runs in the same call; its time then counts as attention's.
         None: use `attend` (see engine.attention.fused_decode_step)."""
         step = fused_decode_step(self.meta, self.kv_caches[0][0], rotary, q_heads, dtype)
         if step is None:
             return None
 
-        def attend(layer: int, qkv: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        def attend(
+            layer: int, qkv: torch.Tensor | PanelOperands, scale: float, window: int | None
+        ) -> torch.Tensor:
             k_cache, v_cache = self.kv_caches[layer]
             started = time.perf_counter() if self.time_attention else 0.0
+            if not isinstance(qkv, torch.Tensor):
+                self.projected_layers += 1
             return self._attended(layer, started, step(qkv, k_cache, v_cache, scale, window, None))
 
         return attend
@@ -185,6 +193,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.time_attention = False  # benchmarks turn this on for the step breakdown
         self.last_attention_s = 0.0
+        self.last_projected_layers = 0  # of them, calls that also ran the layer's qkv GEMM
         self.threads = 0  # CPU: intra-op threads of big ops (small ones run on one, see _forward)
         if self.device.type == "cpu":
             self.threads = max(1, config.num_threads or len(os.sched_getaffinity(0)))
@@ -339,6 +348,7 @@ class ModelRunner:
         ctx = self._context(batch, self.kv_caches)
         logits = self._forward(batch, ctx)
         self.last_attention_s = ctx.attention_s
+        self.last_projected_layers = ctx.projected_layers
         return logits
 
     def _context(

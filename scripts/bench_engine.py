@@ -128,6 +128,13 @@ def model_linears(core: EngineCore) -> list[nn.Module]:
     return [m for m in core.runner.model.modules() if isinstance(m, kinds)]
 
 
+def qkv_linears(core: EngineCore) -> list[nn.Module]:
+    """The fused qkv projections, whose time the kernel's decode step books as attention's when it
+    runs them in the attention's parallel region (StepTimings.projected_layers)."""
+    modules = core.runner.model.named_modules()
+    return [m for name, m in modules if name.endswith("fused_q_k_v.gemm")]
+
+
 def linear_pass(core: EngineCore, modules: list[nn.Module], batch: int, packed: bool):
     """A callable timing one pass over every linear at ``batch`` rows (one decode step's GEMMs):
     through the engine's own modules, called as the lean forward calls them, under the engine's
@@ -211,16 +218,17 @@ def bench_limit(args: argparse.Namespace) -> dict:
         core.step()
         packed_pass = linear_pass(core, linears, batch, packed=True)
         plain_pass = linear_pass(core, linears, batch, packed=False)
+        qkv_pass = linear_pass(core, qkv_linears(core), batch, packed=True)
         # Steady state of each, in alternating blocks so that load from other processes hits all
         # three alike: a block of consecutive engine steps, then of bare linear passes, then of
         # plain F.linear passes; the first of each block is a warm-up (caches hold the previous
         # block's data). Medians of the rest.
-        steps, packed, plain = [], [], []
+        steps, packed, plain, qkv = [], [], [], []
         context_before = sum(s.num_tokens for s in core.scheduler.running)
         core.timings.reset()
         for _ in range(args.limit_rounds):
             for samples, run in ((steps, lambda: timed_step(core)), (packed, packed_pass),
-                                 (plain, plain_pass)):  # fmt: skip
+                                 (plain, plain_pass), (qkv, qkv_pass)):  # fmt: skip
                 run()
                 samples.extend(run() for _ in range(args.limit_steps))
         t = core.timings  # every step of the blocks, warm-ups included
@@ -233,6 +241,9 @@ def bench_limit(args: argparse.Namespace) -> dict:
         step_s, linear_s = statistics.median(steps), statistics.median(packed)
         n = t.steps
         forward_s = t.forward_s / n
+        # attention per step, less the share of the bare qkv GEMMs that ran inside its calls
+        projected = t.projected_layers / (n * spec.num_layers)
+        attention_s = t.attention_s / n - projected * statistics.mean(qkv)
         row = {
             "batch": batch,
             "context_tokens": args.limit_context,
@@ -249,17 +260,18 @@ def bench_limit(args: argparse.Namespace) -> dict:
                 "step": round(statistics.mean(steps) * 1e3, 2),
                 "forward_total": round(forward_s * 1e3, 2),
                 "forward_linears": round(statistics.mean(packed) * 1e3, 2),
-                "attention": round(t.attention_s / n * 1e3, 2),
+                "attention": round(attention_s * 1e3, 2),
+                # the attention calls' own time, with the qkv GEMMs run inside them
+                "attention_calls": round(t.attention_s / n * 1e3, 2),
+                "qkv_gemms_inside_attention": round(projected * statistics.mean(qkv) * 1e3, 2),
                 # norms, rotary, activations, batch building, transformers' Python
-                "forward_rest": round(
-                    (forward_s - t.attention_s / n - statistics.mean(packed)) * 1e3, 2
-                ),
+                "forward_rest": round((forward_s - attention_s - statistics.mean(packed)) * 1e3, 2),
                 "scheduling": round(t.schedule_s / n * 1e3, 3),
                 "sampling": round(t.sample_s / n * 1e3, 3),
                 "postprocess": round(t.postprocess_s / n * 1e3, 3),
             },
             "decode_tokens_per_s": round(batch / step_s, 1),
-            "attention_gb_per_s": round(kv_bytes / (t.attention_s / n) / 1e9, 1),
+            "attention_gb_per_s": round(kv_bytes / attention_s / 1e9, 1),
         }
         log(f"limit B={batch}: {row}")
         results.append(row)

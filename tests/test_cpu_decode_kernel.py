@@ -12,6 +12,7 @@ import torch
 
 from engine import attention, cpu_kernels
 from engine.attention import BACKEND_ENV, paged_attention, write_kv_cache_torch
+from engine.cpu_kernels import panel_gemm
 from tests.test_attention import PagedBatch, make_batch, reference_attention
 from tests.test_cpu_fused_ops import rotate_reference
 
@@ -358,3 +359,44 @@ def test_fused_decode_step_rotates_writes_and_attends(
     torch.testing.assert_close(v_cache, expected_v)
     tolerance = ATOL if act_dtype == torch.float32 else 1e-2  # bf16 output: one rounding
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(
+    panel_gemm.pack(torch.zeros(1, 1)) is None, reason="no AVX-512: no panel GEMM here"
+)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("step_threads", "gemm_threads"), [(2, 2), (1, 2), (2, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_projection_in_the_attention_region_equals_the_two_calls(
+    kv_dtype, step_threads, gemm_threads, bias
+):
+    """A DecodeStep call given the qkv panel GEMM (run with the attention in one parallel region)
+    writes the same qkv rows, K/V slots and output as the GEMM followed by a call on its rows, bit
+    for bit; attention sized for one thread included."""
+    q_heads, kv_heads, head_dim, hidden = 9, 3, 64, 96
+    batch = make_batch(
+        [1] * len(RAGGED), RAGGED, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+        block_size=16, seed=3,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(5)
+    width = (q_heads + 2 * kv_heads) * head_dim
+    weight = torch.randn(width, hidden, generator=generator) * hidden**-0.5
+    b = torch.randn(width, generator=generator) if bias else None
+    x = torch.randn(len(RAGGED), hidden, generator=generator)
+    angles = torch.rand(len(RAGGED), head_dim // 2, generator=generator) * 6
+    angles = torch.cat((angles, angles), dim=-1)
+    packed = panel_gemm.pack(weight)
+    caches = [batch.k_cache.to(kv_dtype), batch.v_cache.to(kv_dtype)]
+    expected_caches = [c.clone() for c in caches]
+    step = cpu_kernels.DecodeStep(
+        batch.meta.block_tables, batch.meta.seq_lens, q_heads=q_heads, kv_heads=kv_heads,
+        head_dim=head_dim, block_size=16, kv_dtype=kv_dtype, num_threads=step_threads,
+        slots=batch.meta.slot_mapping, rotary=(angles.cos(), angles.sin()),
+    )  # fmt: skip
+    qkv = panel_gemm.linear(x, packed, width, b, gemm_threads)
+    expected = step(qkv, *expected_caches, head_dim**-0.5, None, None).clone()
+    rows = torch.full_like(qkv, float("nan"))
+    out = step((x, packed, width, b, rows, gemm_threads), *caches, head_dim**-0.5, None, None)
+    assert torch.equal(rows, qkv)
+    assert torch.equal(out, expected)
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches, strict=True))

@@ -18,6 +18,7 @@ from engine import runner as runner_module
 from engine.attention import fused_decode_step
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.cpu_kernels import panel_gemm
 from engine.lean_forward import LeanLlamaForward
 from engine.sampling_params import SamplingParams
 
@@ -58,7 +59,8 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mixed steps (chunked prefills next to decodes, a shared prefix) through both paths; the
-    decode-only steps take the fused C call (rotary + cache write + attention) where it builds."""
+    decode-only steps take the fused C call (rotary + cache write + attention) where it builds,
+    with the qkv projection inside it where the panel GEMM runs."""
     fused_steps = []
 
     def counting_fused_decode_step(*args):
@@ -77,6 +79,7 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(
         core.add_request(f"r{i}", prompt, params)
     original_execute = core.runner.execute
     compared = 0
+    projected = []
 
     def execute_both(out):
         nonlocal compared
@@ -88,6 +91,7 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(
             v.copy_(v0)
         core.runner.lean = lean
         logits = original_execute(out)
+        projected.append(core.runner.last_projected_layers)
         torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
         compared += 1
         return logits
@@ -100,6 +104,8 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(
     assert not core.has_unfinished()
     assert compared >= 12
     assert any(fused_steps) == cpu_kernels.available()
+    panels = panel_gemm.pack(torch.zeros(1, 1)) is not None
+    assert (len(lean.layers) in projected) == panels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 _SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("paged_decode.c", "fused_ops.c", "panel_gemm.c")
 )
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "fast_exp.h"))
+_HEADERS = tuple(
+    Path(__file__).with_name(name) for name in ("bf16.h", "fast_exp.h", "panel_gemm.h")
+)
 # -ffp-contract=fast (gcc's default in GNU C mode, not clang's) fuses the D-loop multiply-adds
 # into FMAs; no -ffast-math, so NaN and inf stay IEEE. -lm goes after the source.
 _FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp")
@@ -86,6 +88,11 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and query.dtype in _DTYPES
         and k_cache.dtype in _DTYPES
     )
+
+
+# A panel GEMM's operands (engine.linear.StepGemms.panel_operands): input [M, K], packed weight,
+# output width N, bias [N] or None, output [M, N], threads.
+PanelOperands = tuple[torch.Tensor, torch.Tensor, int, "torch.Tensor | None", torch.Tensor, int]
 
 
 class _DecodeStepStruct(ctypes.Structure):
@@ -139,6 +146,7 @@ class DecodeStep:
         lib = load()
         if lib is None:
             raise RuntimeError("the CPU decode kernel is not available (see the build warning)")
+        self._lib = lib
         self._fn = lib.paged_decode_attention
         cos, sin = (table.float().contiguous() for table in rotary) if rotary else (None, None)
         self._keep = (block_tables, seq_lens, slots, cos, sin)  # the struct points into these
@@ -164,7 +172,7 @@ class DecodeStep:
 
     def __call__(
         self,
-        rows: torch.Tensor,
+        rows: torch.Tensor | PanelOperands,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
@@ -172,19 +180,21 @@ class DecodeStep:
         softcap: float | None,
     ) -> torch.Tensor:
         """One layer: rows [B, W] with unit stride (the q heads first, then the new K and V heads
-        when the step writes them); returns [B, Hq, D], a buffer of this step that the next call
-        overwrites."""
-        status = self._fn(
-            self._ref,
-            rows.data_ptr(),
-            rows.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            self._out_ptr,
-            scale,
-            sliding_window or 0,
-            softcap or 0.0,
-        )
+        when the step writes them), or the panel GEMM that computes them from the layer's input
+        (fp32; engine.linear.StepGemms.panel_operands), which then runs in the attention's
+        parallel region (of the GEMM's threads) and writes its output buffer; returns [B, Hq, D],
+        a buffer of this step that the next call overwrites."""
+        tail = (k_cache.data_ptr(), v_cache.data_ptr(), self._out_ptr, scale)
+        tail += (sliding_window or 0, softcap or 0.0)
+        if isinstance(rows, torch.Tensor):
+            status = self._fn(self._ref, rows.data_ptr(), rows.stride(0), *tail)
+        else:
+            x, packed, width, bias, out, threads = rows
+            bias_ptr = None if bias is None else bias.data_ptr()
+            status = self._lib.decode_qkv_attention(
+                self._ref, x.data_ptr(), x.shape[1], packed.data_ptr(), width, bias_ptr,
+                out.data_ptr(), *tail, threads,
+            )  # fmt: skip
         if status != 0:
             raise MemoryError("the CPU decode kernel could not allocate its scratch")
         return self._out
@@ -315,6 +325,10 @@ def _build_and_load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_float, i64, ctypes.c_float]
     fn.restype = ctypes.c_int
+    fused = lib.decode_qkv_attention
+    fused.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64]
+    fused.argtypes += [ctypes.c_float, ctypes.c_int]
+    fused.restype = ctypes.c_int
     for suffix in DTYPE_SUFFIXES.values():
         norm, rope = getattr(lib, "add_rms_norm_" + suffix), getattr(lib, "rope_" + suffix)
         norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "fast_exp.h"
+#include "panel_gemm.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -150,13 +151,15 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 #endif
 
 /* y = x [m, k] . W^T (+ bias [n] when given), W [n, k] packed by panel_gemm_pack with `half`:
- * y [m, n]; with gated (half > 0) y [m, half] = silu(gate) * up of the two halves. */
-void panel_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                int64_t half, int gated, const float *bias, float *y, int nthreads) {
+ * y [m, n]; with gated (half > 0) y [m, half] = silu(gate) * up of the two halves. The panels are
+ * shared over the calling OpenMP team (an orphaned work-sharing loop, without a barrier at its
+ * end: the caller synchronises); outside a parallel region the caller's thread does them all. */
+void panel_gemm_shared(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                       int64_t half, int gated, const float *bias, float *y) {
 #ifdef __AVX512F__
     const int64_t panels = panel_count(n, half);
     const int64_t ldy = gated ? half : n;
-#pragma omp parallel for schedule(dynamic) num_threads(nthreads) if (nthreads > 1 && panels > 1)
+#pragma omp for schedule(dynamic) nowait
     for (int64_t p = 0; p < panels; p++) {
         const float *panel = packed + p * k * PANEL;
         const PanelOut out = panel_out(p, half, n, bias);
@@ -172,7 +175,13 @@ void panel_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64
         }
     }
 #else
-    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)half, (void)gated, (void)bias, (void)y,
-        (void)nthreads;
+    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)half, (void)gated, (void)bias, (void)y;
 #endif
+}
+
+/* panel_gemm_shared on a team of nthreads of its own. */
+void panel_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                int64_t half, int gated, const float *bias, float *y, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && panel_count(n, half) > 1)
+    panel_gemm_shared(x, m, k, packed, n, half, gated, bias, y);
 }
