@@ -74,12 +74,14 @@ def pids(gateway: Gateway) -> set[int]:
 
 
 def alive(pid: int) -> bool:
+    """Running: a zombie (exited, not yet reaped) counts as gone, and so does a process reaped while
+    we look (a kill(pid, 0) then a /proc read raced the reap, which raised)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    # A zombie (exited, not yet reaped) counts as gone.
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    state = stat.rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
+    return state not in ("Z", "X")
 
 
 async def chat(session, url: str, model: str = "default") -> int:
