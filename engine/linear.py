@@ -24,6 +24,7 @@ from torch import nn
 
 from engine.cpu_kernels import PanelOperands, panel_gemm
 from engine.cpu_threads import all_threads, release
+from engine.huge_pages import HugePageArena
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -54,12 +55,13 @@ class PrepackedLinear(nn.Module):
         bias: torch.Tensor | None,
         batch_size_hint: int,
         paired: bool = False,
+        arena: HugePageArena | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
-        panels = panel_gemm.pack(weight, paired)
+        panels = panel_gemm.pack(weight, paired, arena)
         self.register_buffer("panel_weight", panels, persistent=False)
         self.paired = paired
         # A fresh copy: the loaded weight may live in file-backed memory, from which the batch-1
@@ -198,14 +200,18 @@ class FusedProjection(nn.Module):
     """
 
     def __init__(
-        self, linears: list[nn.Linear], batch_size_hint: int, paired: bool = False
+        self,
+        linears: list[nn.Linear],
+        batch_size_hint: int,
+        paired: bool = False,
+        arena: HugePageArena | None = None,
     ) -> None:
         super().__init__()
         weight = torch.cat([m.weight.detach() for m in linears])
         has_bias = linears[0].bias is not None
         bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
         self.widths = [m.out_features for m in linears]
-        self.gemm = PrepackedLinear(weight, bias, batch_size_hint, paired)
+        self.gemm = PrepackedLinear(weight, bias, batch_size_hint, paired, arena)
         self._pending = _Pending()
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -254,7 +260,7 @@ class FusedMember(nn.Module):
         return self.fused.output(self.index, x)
 
 
-def _fuse_groups(parent: nn.Module, batch_size_hint: int) -> int:
+def _fuse_groups(parent: nn.Module, batch_size_hint: int, arena: HugePageArena) -> int:
     fused_count = 0
     for names in FUSABLE_GROUPS:
         members = [getattr(parent, name, None) for name in names]
@@ -266,7 +272,7 @@ def _fuse_groups(parent: nn.Module, batch_size_hint: int) -> int:
         ):
             continue
         paired = names == GATE_UP and members[0].out_features == members[1].out_features
-        fused = FusedProjection(members, batch_size_hint, paired)
+        fused = FusedProjection(members, batch_size_hint, paired, arena)
         parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), fused)
         for index, name in enumerate(names):
             setattr(parent, name, FusedMember(fused, index))
@@ -280,15 +286,17 @@ def prepack_linears(model: nn.Module, batch_size_hint: int, fuse: bool = True) -
     With ``fuse``, q/k/v and gate/up projections of one module become one GEMM each.
 
     Tied weights (an lm_head sharing the embedding matrix) are safe: the embedding keeps the
-    original tensor and the lm_head gets its own packed copy.
+    original tensor and the lm_head gets its own packed copy. The panel copies share huge-page
+    memory (engine.huge_pages).
     """
     replaced = 0
+    arena = HugePageArena()
     for parent in list(model.modules()):
         if fuse:
-            replaced += _fuse_groups(parent, batch_size_hint)
+            replaced += _fuse_groups(parent, batch_size_hint, arena)
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                packed = PrepackedLinear(child.weight, child.bias, batch_size_hint)
+                packed = PrepackedLinear(child.weight, child.bias, batch_size_hint, arena=arena)
                 setattr(parent, name, packed)
                 replaced += 1
     return replaced

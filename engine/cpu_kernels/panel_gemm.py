@@ -11,16 +11,20 @@ from __future__ import annotations
 import torch
 
 from engine import cpu_kernels
+from engine.huge_pages import HugePageArena
 
 # Rows up to which the panel GEMM beat oneDNN's prepacked GEMM at SmolLM2's shapes here (even at
 # 256 rows, oneDNN 10-20% faster at 1024).
 MAX_ROWS = 128
 
 
-def pack(weight: torch.Tensor, paired: bool = False) -> torch.Tensor | None:
+def pack(
+    weight: torch.Tensor, paired: bool = False, arena: HugePageArena | None = None
+) -> torch.Tensor | None:
     """``weight`` [N, K] (fp32, CPU) in the panel layout, with ``paired`` the [gate; up] layout
-    (N even: rows [0, N/2) gate, [N/2, N) up); None where the panel GEMM is not built (no
-    compiler, no AVX-512) or does not apply (another dtype or device)."""
+    (N even: rows [0, N/2) gate, [N/2, N) up), in memory from ``arena`` when given; None where
+    the panel GEMM is not built (no compiler, no AVX-512) or does not apply (another dtype or
+    device)."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     lib = cpu_kernels.load()
@@ -31,7 +35,8 @@ def pack(weight: torch.Tensor, paired: bool = False) -> torch.Tensor | None:
         raise ValueError(f"a paired [gate; up] weight needs an even row count, not {n}")
     half = n // 2 if paired else 0
     source = weight.detach().contiguous()
-    packed = torch.empty(lib.panel_gemm_packed_size(n, k, half), dtype=torch.float32)
+    size = lib.panel_gemm_packed_size(n, k, half)
+    packed = arena.empty(size, torch.float32) if arena else torch.empty(size, dtype=torch.float32)
     lib.panel_gemm_pack(source.data_ptr(), n, k, half, packed.data_ptr())
     return packed
 
