@@ -117,9 +117,9 @@ class StepGemms:
     module call's Python and torch work (reshape, allocation, thread bookkeeping) measured 35-45 us
     per linear here, against ~2 us for the bare call: the weight stream evicts the interpreter's
     code and data. A returned tensor is overwritten by the next call of the same width and kind,
-    so the caller consumes each one first (the lean forward does). Rows
-    over panel_gemm.MAX_ROWS, inputs not [rows, in_features] contiguous fp32 and linears without
-    panels take the module call."""
+    so the caller consumes each one first (the lean forward does). Rows over panel_gemm.MAX_ROWS,
+    inputs not [rows, in_features] contiguous fp32 and linears without panels take the module
+    call."""
 
     def __init__(self, rows: int, threads: int) -> None:
         self._rows = rows
@@ -146,7 +146,7 @@ class StepGemms:
     def panel_operands(self, linear: nn.Module, x: torch.Tensor) -> PanelOperands | None:
         """What a kernel needs to run ``linear(x)`` on the panel GEMM itself (inside its own
         parallel region; output into this pass's buffer of that width), or None where the panel
-        GEMM does not serve it (see the class)."""
+        GEMM does not serve it (see the class) or the weight is paired."""
         if not self._on_panels(linear, x) or linear.paired:
             return None
         width = linear.out_features
