@@ -33,7 +33,7 @@ class HugePageArena:
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements, page-aligned."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if self._chunk is None or self._used + nbytes > self._chunk.numel():
             self._chunk = _advised_mapping(max(self._chunk_bytes, nbytes))
             self._used = 0

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from engine.cpu_kernels.fused_ops import FusedOps, StepOps
-from engine.cpu_threads import all_threads
 from engine.linear import FusedMember, PrepackedLinear, StepGemms
 
 if TYPE_CHECKING:  # the runner imports this module
@@ -99,7 +98,7 @@ class LeanLlamaForward:
         if ops.uses_kernels:  # rotary is in the kernels' form
             fused = attention.fused_decode(rotary, self.num_heads, x.dtype)
         step_ops = StepOps(ops, x, self.mlp_width)
-        gemms = StepGemms(tokens, all_threads() or torch.get_num_threads())
+        gemms = StepGemms(tokens)
         delta = None  # the previous block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
             h = step_ops.add_rms_norm(delta, *layer.input_norm)

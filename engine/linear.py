@@ -121,9 +121,11 @@ class StepGemms:
     inputs not [rows, in_features] contiguous fp32 and linears without panels take the module
     call."""
 
-    def __init__(self, rows: int, threads: int) -> None:
+    def __init__(self, rows: int, threads: int | None = None) -> None:
+        """``threads``: the GEMMs' team; by default the current split's (cpu_threads), else
+        torch's count, as PrepackedLinear uses."""
         self._rows = rows
-        self._threads = threads
+        self._threads = threads or all_threads() or torch.get_num_threads()
         self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
 
     def __call__(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,6 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
-from engine.cpu_threads import all_threads  # noqa: E402
 from engine.linear import PrepackedLinear, StepGemms  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -155,7 +154,7 @@ def linear_pass(core: EngineCore, modules: list[nn.Module], batch: int, packed: 
         started = time.perf_counter()
         with threads():
             if packed:
-                gemms = StepGemms(batch, all_threads() or torch.get_num_threads())
+                gemms = StepGemms(batch)
                 for module in modules:
                     gemms(module, inputs[module.in_features])
             else:
@@ -220,9 +219,9 @@ def bench_limit(args: argparse.Namespace) -> dict:
         plain_pass = linear_pass(core, linears, batch, packed=False)
         qkv_pass = linear_pass(core, qkv_linears(core), batch, packed=True)
         # Steady state of each, in alternating blocks so that load from other processes hits all
-        # three alike: a block of consecutive engine steps, then of bare linear passes, then of
-        # plain F.linear passes; the first of each block is a warm-up (caches hold the previous
-        # block's data). Medians of the rest.
+        # four alike: a block of consecutive engine steps, then of bare linear passes, of plain
+        # F.linear passes and of bare qkv passes; the first of each block is a warm-up (caches
+        # hold the previous block's data). Medians of the rest.
         steps, packed, plain, qkv = [], [], [], []
         context_before = sum(s.num_tokens for s in core.scheduler.running)
         core.timings.reset()
@@ -243,7 +242,8 @@ def bench_limit(args: argparse.Namespace) -> dict:
         forward_s = t.forward_s / n
         # attention per step, less the share of the bare qkv GEMMs that ran inside its calls
         projected = t.projected_layers / (n * spec.num_layers)
-        attention_s = t.attention_s / n - projected * statistics.mean(qkv)
+        qkv_inside_s = projected * statistics.mean(qkv)
+        attention_s = t.attention_s / n - qkv_inside_s
         row = {
             "batch": batch,
             "context_tokens": args.limit_context,
@@ -263,7 +263,7 @@ def bench_limit(args: argparse.Namespace) -> dict:
                 "attention": round(attention_s * 1e3, 2),
                 # the attention calls' own time, with the qkv GEMMs run inside them
                 "attention_calls": round(t.attention_s / n * 1e3, 2),
-                "qkv_gemms_inside_attention": round(projected * statistics.mean(qkv) * 1e3, 2),
+                "qkv_gemms_inside_attention": round(qkv_inside_s * 1e3, 2),
                 # norms, rotary, activations, batch building, transformers' Python
                 "forward_rest": round((forward_s - attention_s - statistics.mean(packed)) * 1e3, 2),
                 "scheduling": round(t.schedule_s / n * 1e3, 3),
