@@ -3,8 +3,8 @@
 Sections (select with --sections; sizes are flags so that a slow CPU can run each one):
 - limit:  the model's bare linear layers on the device's fast path at batch B vs the engine's whole
           decode step at B, the step broken into forward / attention / scheduling / sampling; and
-          the K/V bytes attention reads per step against a plain read of memory (the floor no
-          attention kernel gets under).
+          the K/V bytes attention reads per step against a plain read of memory, sequential and
+          block by block through the block tables (the floor no attention kernel gets under).
 - hf:     16 requests x 128 output tokens: engine vs transformers generate() sequentially and as one
           static padded batch.
 - mixed:  64 requests with mixed prompt (16-512) and output (16-256) lengths arriving over time:
@@ -43,6 +43,7 @@ from torch import nn
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from engine import cpu_kernels  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.linear import PrepackedLinear, StepGemms  # noqa: E402
@@ -190,6 +191,31 @@ def memory_read_gb_per_s(device: torch.device) -> float:
     return data.numel() * data.element_size() / best / 1e9
 
 
+def paged_kv_read(core: EngineCore):
+    """A callable reading what the next decode step's attention reads, through the running
+    sequences' block tables, and nothing else (cpu_kernels.read_paged_kv, on all the engine's
+    threads); it returns its GB/s. None off the CPU kernels. Paged blocks are not one sequential
+    stream: this is the floor for attention over this memory and this cache layout, which a
+    1 GiB sum is not."""
+    if core.runner.device.type != "cpu" or not cpu_kernels.available():
+        return None
+    spec = core.runner.spec
+    kv_bytes_per_token = spec.bytes_per_block // spec.block_size
+
+    def run() -> float:
+        running = core.scheduler.running
+        width = max(len(s.block_table) for s in running)
+        padded = [s.block_table + [0] * (width - len(s.block_table)) for s in running]
+        tables = torch.tensor(padded, dtype=torch.int32)
+        seq_lens = torch.tensor([s.num_tokens for s in running], dtype=torch.int32)
+        started = time.perf_counter()
+        cpu_kernels.read_paged_kv(core.runner.kv_caches, tables, seq_lens, core.runner.threads)
+        elapsed = time.perf_counter() - started
+        return int(seq_lens.sum()) * kv_bytes_per_token / elapsed / 1e9
+
+    return run
+
+
 def bench_limit(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     core = make_core(args, max_num_seqs=max(batches))
@@ -218,16 +244,18 @@ def bench_limit(args: argparse.Namespace) -> dict:
         packed_pass = linear_pass(core, linears, batch, packed=True)
         plain_pass = linear_pass(core, linears, batch, packed=False)
         qkv_pass = linear_pass(core, qkv_linears(core), batch, packed=True)
+        read_pass = paged_kv_read(core)
         # Steady state of each, in alternating blocks so that load from other processes hits all
-        # four alike: a block of consecutive engine steps, then of bare linear passes, of plain
-        # F.linear passes and of bare qkv passes; the first of each block is a warm-up (caches
-        # hold the previous block's data). Medians of the rest.
-        steps, packed, plain, qkv = [], [], [], []
+        # alike: a block of consecutive engine steps, then of bare linear passes, of plain
+        # F.linear passes, of bare qkv passes and of paged K/V reads; the first of each block is a
+        # warm-up (caches hold the previous block's data). Medians of the rest.
+        steps, packed, plain, qkv, reads = [], [], [], [], []
+        kinds = [(steps, lambda: timed_step(core)), (packed, packed_pass), (plain, plain_pass)]
+        kinds += [(qkv, qkv_pass)] + ([(reads, read_pass)] if read_pass else [])
         context_before = sum(s.num_tokens for s in core.scheduler.running)
         core.timings.reset()
         for _ in range(args.limit_rounds):
-            for samples, run in ((steps, lambda: timed_step(core)), (packed, packed_pass),
-                                 (plain, plain_pass), (qkv, qkv_pass)):  # fmt: skip
+            for samples, run in kinds:
                 run()
                 samples.extend(run() for _ in range(args.limit_steps))
         t = core.timings  # every step of the blocks, warm-ups included
@@ -235,6 +263,7 @@ def bench_limit(args: argparse.Namespace) -> dict:
         context_after = sum(s.num_tokens for s in core.scheduler.running)
         kv_bytes = (context_before + context_after) / 2 * kv_bytes_per_token  # mean per step
         attention_floor_s = kv_bytes / (read_gb_per_s * 1e9)
+        paged_floor_s = kv_bytes / (statistics.median(reads) * 1e9) if reads else None
         for i in range(batch):
             core.abort(f"limit-{batch}-{i}")
         step_s, linear_s = statistics.median(steps), statistics.median(packed)
@@ -256,6 +285,13 @@ def bench_limit(args: argparse.Namespace) -> dict:
             "kv_read_mb_per_step": round(kv_bytes / 1e6, 1),
             "attention_floor_ms": round(attention_floor_s * 1e3, 2),
             "step_over_linears_floor": round((linear_s + attention_floor_s) / linear_s, 3),
+            # the same with the K/V read as attention reads it: block by block through the
+            # block tables (null off the CPU kernels)
+            "kv_paged_read_gb_per_s": round(statistics.median(reads), 1) if reads else None,
+            "attention_paged_floor_ms": round(paged_floor_s * 1e3, 2) if reads else None,
+            "step_over_linears_paged_floor": (
+                round((linear_s + paged_floor_s) / linear_s, 3) if reads else None
+            ),
             "breakdown_ms_mean": {  # over all steps, block warm-ups included
                 "step": round(statistics.mean(steps) * 1e3, 2),
                 "forward_total": round(forward_s * 1e3, 2),

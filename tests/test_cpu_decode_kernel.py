@@ -400,3 +400,41 @@ def test_projection_in_the_attention_region_equals_the_two_calls(
     assert torch.equal(rows, qkv)
     assert torch.equal(out, expected)
     assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches, strict=True))
+
+
+def _xor_words(rows: torch.Tensor) -> int:
+    """XOR of a tensor's bytes taken as little-endian 64-bit words."""
+    words = rows.contiguous().view(torch.uint8).view(-1, 8).to(torch.int64)
+    word = (words << (8 * torch.arange(8))).sum(dim=1)  # wraps like uint64 in two's complement
+    mix = 0
+    for value in word.tolist():
+        mix ^= value & (2**64 - 1)
+    return mix
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_paged_kv_reads_exactly_the_visible_rows(dtype, threads):
+    """The benchmark's attention floor reads each sequence's rows [0, seq_len) of every layer's
+    pools through its table, no more (rows past seq_len hold data that would change the XOR)."""
+    generator = torch.Generator().manual_seed(0)
+    layers, blocks, block_size, kv_heads, head_dim = 3, 24, 4, 2, 8
+    caches = [
+        tuple(
+            torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+            for _ in range(2)
+        )
+        for _ in range(layers)
+    ]
+    seq_lens = torch.tensor([1, 4, 5, 11, 0], dtype=torch.int32)
+    order = torch.randperm(blocks, generator=generator).to(torch.int32)
+    tables = torch.stack([order[i * 4 : i * 4 + 4] for i in range(len(seq_lens))])
+    expected = 0
+    for k_cache, v_cache in caches:
+        for table, seq_len in zip(tables.tolist(), seq_lens.tolist(), strict=True):
+            for pool in (k_cache, v_cache):
+                rows = pool[table].flatten(0, 1)[:seq_len]  # [seq_len, Hkv, D]
+                expected ^= _xor_words(rows)
+    assert cpu_kernels.read_paged_kv(caches, tables, seq_lens, threads) == expected
+    with pytest.raises(ValueError, match="outside the pools"):
+        cpu_kernels.read_paged_kv(caches, tables + blocks, seq_lens, threads)

@@ -2,7 +2,8 @@
 
 `DecodeStep` is decode attention straight over the paged K/V pools (paged_decode.c), fp32 or bf16,
 optionally fused with the rotary and cache write of a decode-only step; `paged_decode_attention`
-is its one-call form for a query that is already rotated and written.
+is its one-call form for a query that is already rotated and written; `read_paged_kv` reads the
+same K/V bytes and does nothing else (the benchmark's floor for attention).
 `engine.cpu_kernels.fused_ops` wraps the lean forward's fused elementwise ops (fused_ops.c),
 `engine.cpu_kernels.panel_gemm` the fp32 linear layers of decode-sized batches (panel_gemm.c).
 
@@ -277,6 +278,51 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
     return out.tolist()
 
 
+def read_paged_kv(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_threads: int,
+) -> int | None:
+    """Reads what a decode step's attention reads (every layer's K and V rows [0, seq_lens[b]) of
+    each sequence, through its block table) and nothing else; returns the XOR of the 64-bit words
+    read, None without the kernels. The benchmark times it as attention's floor on this memory."""
+    lib = load()
+    if lib is None:
+        return None
+    pools = [pool for kv in kv_caches for pool in kv]
+    num_blocks, block_size = pools[0].shape[:2]
+    if any(
+        p.device.type != "cpu" or not p.is_contiguous() or p.shape != pools[0].shape for p in pools
+    ):
+        raise ValueError("the pools must be contiguous CPU tensors of one shape")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise TypeError("block_tables and seq_lens must be int32")
+    if (
+        block_tables.dim() != 2
+        or block_tables.stride(1) != 1
+        or seq_lens.shape != (len(block_tables),)
+        or not seq_lens.is_contiguous()
+    ):
+        raise ValueError("block_tables must be [B, max_blocks] with contiguous rows, seq_lens [B]")
+    # every block a sequence reads, [0, ceil(seq_len / block_size)) of its row
+    read = (
+        torch.arange(block_tables.shape[1]) < ((seq_lens + block_size - 1) // block_size)[:, None]
+    )
+    longest = block_tables.shape[1] * block_size
+    if not bool(((seq_lens >= 0) & (seq_lens <= longest)).all()) or (
+        read.any()
+        and not 0 <= int(block_tables[read].min()) <= int(block_tables[read].max()) < num_blocks
+    ):
+        raise ValueError("a sequence reads past its block table or outside the pools")
+    row_bytes = pools[0].stride(1) * pools[0].element_size()
+    addresses = (ctypes.c_void_p * len(pools))(*(p.data_ptr() for p in pools))
+    return lib.read_paged_kv(
+        addresses, len(kv_caches), block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), len(seq_lens), block_size, row_bytes, num_threads,
+    )  # fmt: skip
+
+
 def _check(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -343,6 +389,8 @@ def _build_and_load() -> ctypes.CDLL | None:
         argmax.restype = None
     lib.scatter_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64]
     lib.scatter_rows.restype = None
+    lib.read_paged_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
+    lib.read_paged_kv.restype = ctypes.c_uint64
     lib.panel_gemm_available.argtypes = []
     lib.panel_gemm_available.restype = ctypes.c_int
     lib.panel_gemm_packed_size.argtypes = [i64, i64, i64]

@@ -628,3 +628,35 @@ int decode_qkv_attention(const DecodeStep *step, const float *x, int64_t k, cons
     }
     return failed ? -1 : 0;
 }
+
+/* The bytes a decode step's attention reads, read and nothing else: for every layer (pools
+ * [K0, V0, K1, V1, ...]) and every sequence, the K then V rows [0, seq_lens[b]) of its blocks,
+ * through its block table, sequences spread over nthreads (one parallel region for all layers, no
+ * barrier between them). block_bytes: one block of one pool. Returns the XOR of all the 64-bit
+ * words read (so that the reads happen; a block's rows are contiguous and row_bytes a multiple of
+ * 8). The benchmark's floor for attention on this machine's memory (scripts/bench_engine.py). */
+uint64_t read_paged_kv(void *const *pools, int64_t num_layers, const int32_t *block_tables,
+                       int64_t table_stride, const int32_t *seq_lens, int64_t batch,
+                       int64_t block_size, int64_t row_bytes, int nthreads) {
+    const int64_t block_bytes = block_size * row_bytes;
+    uint64_t mix = 0;
+#pragma omp parallel num_threads(nthreads) reduction(^ : mix)
+    for (int64_t pool = 0; pool < 2 * num_layers; pool += 2) {
+#pragma omp for schedule(dynamic) nowait
+        for (int64_t b = 0; b < batch; b++) {
+            const int32_t *table = block_tables + b * table_stride;
+            for (int64_t kv = pool; kv < pool + 2; kv++) {
+                for (int64_t j = 0; j < seq_lens[b]; j += block_size) {
+                    const int64_t rows = seq_lens[b] - j < block_size ? seq_lens[b] - j : block_size;
+                    const uint64_t *words = (const uint64_t *)((const char *)pools[kv] +
+                                                               table[j / block_size] * block_bytes);
+                    uint64_t block_mix = 0;
+#pragma omp simd reduction(^ : block_mix)
+                    for (int64_t w = 0; w < rows * row_bytes / 8; w++) block_mix ^= words[w];
+                    mix ^= block_mix;
+                }
+            }
+        }
+    }
+    return mix;
+}
