@@ -196,7 +196,8 @@ def paged_kv_read(core: EngineCore):
     sequences' block tables, and nothing else (cpu_kernels.read_paged_kv, on all the engine's
     threads); it returns its GB/s. None off the CPU kernels. Paged blocks are not one sequential
     stream: this is the floor for attention over this memory and this cache layout, which a
-    1 GiB sum is not."""
+    1 GiB sum is not. Reads run back to back, so a small batch's K/V (which in a step the weights
+    evict) may partly come from cache: a floor on the optimistic side."""
     if core.runner.device.type != "cpu" or not cpu_kernels.available():
         return None
     spec = core.runner.spec
