@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # OpenMP threads that spin-wait collapse when the cores are shared (10-50x slower GEMMs seen on
@@ -191,7 +192,7 @@ def memory_read_gb_per_s(device: torch.device) -> float:
     return data.numel() * data.element_size() / best / 1e9
 
 
-def paged_kv_read(core: EngineCore):
+def paged_kv_read(core: EngineCore) -> Callable[[], float] | None:
     """A callable reading what the next decode step's attention reads, through the running
     sequences' block tables, and nothing else (cpu_kernels.read_paged_kv, on all the engine's
     threads); it returns its GB/s. None off the CPU kernels. Paged blocks are not one sequential
