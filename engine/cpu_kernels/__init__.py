@@ -296,15 +296,7 @@ def read_paged_kv(
         p.device.type != "cpu" or not p.is_contiguous() or p.shape != pools[0].shape for p in pools
     ):
         raise ValueError("the pools must be contiguous CPU tensors of one shape")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise TypeError("block_tables and seq_lens must be int32")
-    if (
-        block_tables.dim() != 2
-        or block_tables.stride(1) != 1
-        or seq_lens.shape != (len(block_tables),)
-        or not seq_lens.is_contiguous()
-    ):
-        raise ValueError("block_tables must be [B, max_blocks] with contiguous rows, seq_lens [B]")
+    _check_tables(block_tables, seq_lens, len(seq_lens))
     # every block a sequence reads, [0, ceil(seq_len / block_size)) of its row
     read = (
         torch.arange(block_tables.shape[1]) < ((seq_lens + block_size - 1) // block_size)[:, None]
@@ -340,6 +332,12 @@ def _check(
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or q_heads % kv_heads:
         raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(k_cache.shape)}")
+    _check_tables(block_tables, seq_lens, batch)
+
+
+def _check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int) -> None:
+    """block_tables [batch, max_blocks] int32 with contiguous rows, seq_lens [batch] int32
+    contiguous, both on the CPU: what the C kernels index without checking."""
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise TypeError("block_tables and seq_lens must be int32")
     if (

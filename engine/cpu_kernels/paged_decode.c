@@ -641,18 +641,18 @@ uint64_t read_paged_kv(void *const *pools, int64_t num_layers, const int32_t *bl
     const int64_t block_bytes = block_size * row_bytes;
     uint64_t mix = 0;
 #pragma omp parallel num_threads(nthreads) reduction(^ : mix)
-    for (int64_t pool = 0; pool < 2 * num_layers; pool += 2) {
+    for (int64_t layer = 0; layer < num_layers; layer++) {
 #pragma omp for schedule(dynamic) nowait
         for (int64_t b = 0; b < batch; b++) {
             const int32_t *table = block_tables + b * table_stride;
-            for (int64_t kv = pool; kv < pool + 2; kv++) {
-                for (int64_t j = 0; j < seq_lens[b]; j += block_size) {
-                    const int64_t rows = seq_lens[b] - j < block_size ? seq_lens[b] - j : block_size;
-                    const uint64_t *words = (const uint64_t *)((const char *)pools[kv] +
-                                                               table[j / block_size] * block_bytes);
+            for (int kv = 0; kv < 2; kv++) {
+                const char *pool = pools[2 * layer + kv];
+                for (int64_t block = 0, left = seq_lens[b]; left > 0; block++, left -= block_size) {
+                    const uint64_t *words = (const uint64_t *)(pool + table[block] * block_bytes);
+                    const int64_t count = (left < block_size ? left : block_size) * row_bytes / 8;
                     uint64_t block_mix = 0;
 #pragma omp simd reduction(^ : block_mix)
-                    for (int64_t w = 0; w < rows * row_bytes / 8; w++) block_mix ^= words[w];
+                    for (int64_t w = 0; w < count; w++) block_mix ^= words[w];
                     mix ^= block_mix;
                 }
             }
