@@ -82,14 +82,7 @@ class PrepackedLinear(nn.Module):
         # model's GEMM time at batch 1, where weights stream from memory.
         threads = all_threads()
         if self.panel_weight is not None and rows.shape[0] <= panel_gemm.MAX_ROWS:
-            y = panel_gemm.linear(
-                rows.contiguous(),
-                self.panel_weight,
-                self.out_features,
-                self.bias,
-                threads or torch.get_num_threads(),
-                paired=self.paired,
-            )
+            y = self.on_panels(rows.contiguous(), threads or torch.get_num_threads())
             return y.view(*lead, self.out_features)
         if threads:
             torch.set_num_threads(threads)
@@ -101,6 +94,17 @@ class PrepackedLinear(nn.Module):
             )
         release(threads)
         return y.view(*lead, self.out_features)
+
+    def on_panels(
+        self, rows: torch.Tensor, threads: int, out: torch.Tensor | None = None, gated: bool = False
+    ) -> torch.Tensor:
+        """``rows`` [M <= panel_gemm.MAX_ROWS, in_features] (fp32, contiguous) through the panel
+        GEMM on ``threads`` threads (panel_weight set), into ``out`` when given; with ``gated``
+        (paired only) ``silu(gate) * up`` instead of both halves (panel_gemm.linear)."""
+        return panel_gemm.linear(
+            rows, self.panel_weight, self.out_features, self.bias, threads, out,
+            paired=self.paired, gated=gated,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         panels = ", panels (decode-sized batches)" if self.panel_weight is not None else ""
@@ -166,16 +170,7 @@ class StepGemms:
 
     def _panel_gemm(self, linear: PrepackedLinear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         width = linear.out_features // 2 if gated else linear.out_features
-        return panel_gemm.linear(
-            x,
-            linear.panel_weight,
-            linear.out_features,
-            linear.bias,
-            self._threads,
-            self._output(width, gated),
-            paired=linear.paired,
-            gated=gated,
-        )
+        return linear.on_panels(x, self._threads, self._output(width, gated), gated)
 
     def _output(self, width: int, gated: bool) -> torch.Tensor:
         out = self._outputs.get((width, gated))
