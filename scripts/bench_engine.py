@@ -192,7 +192,7 @@ def memory_read_gb_per_s(device: torch.device) -> float:
     return data.numel() * data.element_size() / best / 1e9
 
 
-def paged_kv_read(core: EngineCore) -> Callable[[], float] | None:
+def paged_kv_read(core: EngineCore, kv_bytes_per_token: int) -> Callable[[], float] | None:
     """A callable reading what the next decode step's attention reads, through the running
     sequences' block tables, and nothing else (cpu_kernels.read_paged_kv, on all the engine's
     threads); it returns its GB/s. None off the CPU kernels. Paged blocks are not one sequential
@@ -201,8 +201,6 @@ def paged_kv_read(core: EngineCore) -> Callable[[], float] | None:
     evict) may partly come from cache: a floor on the optimistic side."""
     if core.runner.device.type != "cpu" or not cpu_kernels.available():
         return None
-    spec = core.runner.spec
-    kv_bytes_per_token = spec.bytes_per_block // spec.block_size
 
     def run() -> float:
         running = core.scheduler.running
@@ -246,7 +244,7 @@ def bench_limit(args: argparse.Namespace) -> dict:
         packed_pass = linear_pass(core, linears, batch, packed=True)
         plain_pass = linear_pass(core, linears, batch, packed=False)
         qkv_pass = linear_pass(core, qkv_linears(core), batch, packed=True)
-        read_pass = paged_kv_read(core)
+        read_pass = paged_kv_read(core, kv_bytes_per_token)
         # Steady state of each, in alternating blocks so that load from other processes hits all
         # alike: a block of consecutive engine steps, then of bare linear passes, of plain
         # F.linear passes, of bare qkv passes and of paged K/V reads; the first of each block is a
