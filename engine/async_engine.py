@@ -14,10 +14,11 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from engine.errors import EngineError
 from engine.metrics import EngineMetrics
@@ -25,6 +26,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
 
 log = logging.getLogger("engine.async")
+_T = TypeVar("_T")
 
 IDLE_WAIT_S = 0.5  # how long the idle loop sleeps between liveness ticks when nothing arrives
 
@@ -53,6 +55,8 @@ class ServiceUnavailableError(EngineError):
 
     status = 503
     error_type = "service_unavailable_error"
+    # Clients (the OpenAI SDKs, the gateway's retries) wait this long before trying again.
+    headers: ClassVar[Mapping[str, str]] = {"Retry-After": "1"}
 
 
 class EngineDeadError(EngineError):
@@ -70,6 +74,7 @@ class _Request:
     request_id: str
     queue: asyncio.Queue
     arrival: float
+    choices: int  # its sequences (n), as the queue bound counts them
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished: bool = False
@@ -95,11 +100,16 @@ class AsyncEngine:
         self._loaded: asyncio.Future | None = None
         self._died: asyncio.Event | None = None
         self._requests: dict[str, _Request] = {}
-        self._pending_adds = 0  # adds sent to the thread and not yet handed to the core
+        self._pending_adds = 0  # sequences sent to the thread and not yet handed to the core
         self._stats: Any = None  # latest core.stats(), replaced (never mutated) by the thread
         self.core: CoreLike | None = None
-        self.tokenizer: Any = None  # the server's own copy: HF tokenizers are not thread-safe
+        # HF tokenizers are not thread-safe: the event loop and the prompt thread (templating and
+        # tokenising, which can take seconds for a long prompt) each have their own copy.
+        self.tokenizer: Any = None
+        self._prompt_tokenizer: Any = None
+        self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-prompts")
         self.max_model_len = 0
+        self.longest_token_chars = 0  # of the vocabulary, for the prompt-size cap (see protocol)
         self.dead: BaseException | None = None
         self.accepting = True
         self.metrics = EngineMetrics(model_name, lambda: self._stats, lambda: self._pending_adds)
@@ -168,6 +178,7 @@ class AsyncEngine:
             self._send(("abort", request_id))
         self._stop = True
         self._wake.set()
+        self._prompt_thread.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
 
@@ -180,17 +191,28 @@ class AsyncEngine:
         if self.core is None:
             raise ServiceUnavailableError("model is still loading", code="not_ready")
 
-    def check_accepting(self) -> None:
-        """Raise a 503 when a new generation cannot be taken now (before any parsing work)."""
+    def check_accepting(self, choices: int = 1) -> None:
+        """Raise a 503 when a new generation of ``choices`` sequences cannot be taken now. The
+        bound counts waiting sequences (a request with n=8 takes 8 places); an empty queue takes
+        any request, so an n above the bound is slow to start, never refused forever."""
         self.check_loaded()
         if not self.accepting:
             raise ServiceUnavailableError("server is shutting down", code="shutting_down")
-        if self.num_waiting >= self._max_queue:
+        waiting = self.num_waiting
+        if waiting and waiting + choices > self._max_queue:
             raise ServiceUnavailableError(
-                f"server overloaded: {self.num_waiting} requests already waiting "
+                f"server overloaded: {waiting} sequences already waiting "
                 f"(max queue {self._max_queue}); retry later",
                 code="overloaded",
             )
+
+    async def on_prompt_thread(self, work: Callable[[Any], _T]) -> _T:
+        """``work(tokenizer)`` on the prompt thread, with that thread's own tokenizer copy: chat
+        templates and tokenisation stay off the event loop, so /health and streams keep going
+        while a long prompt is processed."""
+        self.check_loaded()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompt_thread, work, self._prompt_tokenizer)
 
     @asynccontextmanager
     async def generate(
@@ -198,10 +220,10 @@ class AsyncEngine:
     ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
         """Submit a request; on entry it is admitted (admission errors raise here), the yielded
         iterator gives its RequestOutput deltas, and leaving early (client gone) aborts it."""
-        self.check_accepting()
-        request = _Request(request_id, asyncio.Queue(), time.monotonic())
+        self.check_accepting(params.n)
+        request = _Request(request_id, asyncio.Queue(), time.monotonic(), params.n)
         self._requests[request_id] = request
-        self._pending_adds += 1
+        self._pending_adds += params.n
         self._send(("add", request_id, prompt_token_ids, params, request.arrival))
         try:
             first = await request.queue.get()
@@ -239,8 +261,8 @@ class AsyncEngine:
         else:
             self._loaded.set_exception(error)
 
-    def _on_admission(self, request_id: str, error: BaseException | None) -> None:
-        self._pending_adds -= 1
+    def _on_admission(self, request_id: str, choices: int, error: BaseException | None) -> None:
+        self._pending_adds -= choices
         request = self._requests.get(request_id)
         if request is None:
             return
@@ -292,6 +314,8 @@ class AsyncEngine:
         try:
             core = self._core_factory()
             self.tokenizer = copy.deepcopy(core.tokenizer)
+            self._prompt_tokenizer = copy.deepcopy(core.tokenizer)
+            self.longest_token_chars = max(map(len, core.tokenizer.get_vocab()), default=1)
             self.max_model_len = core.max_model_len
             self._stats = core.stats()
         except BaseException as error:  # report any load failure to the waiting main task
@@ -327,7 +351,7 @@ class AsyncEngine:
     def _apply_commands(
         self, core: CoreLike, loop: asyncio.AbstractEventLoop, live: set[str]
     ) -> None:
-        admitted: list[tuple[str, EngineError | None]] = []
+        admitted: list[tuple[str, int, EngineError | None]] = []
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
@@ -335,10 +359,10 @@ class AsyncEngine:
                 try:
                     core.add_request(request_id, prompt_ids, params, arrival_time=arrival)
                 except EngineError as error:
-                    admitted.append((request_id, error))
+                    admitted.append((request_id, params.n, error))
                     continue
                 live.add(request_id)
-                admitted.append((request_id, None))
+                admitted.append((request_id, params.n, None))
             elif command[1] in live:
                 core.abort(command[1])
                 live.discard(command[1])
@@ -346,5 +370,5 @@ class AsyncEngine:
             # Publish the core's new waiting count before the event loop stops counting these
             # requests as pending, so load shedding always counts them in one of the two.
             self._stats = core.stats()
-            for request_id, error in admitted:
-                loop.call_soon_threadsafe(self._on_admission, request_id, error)
+            for request_id, choices, error in admitted:
+                loop.call_soon_threadsafe(self._on_admission, request_id, choices, error)

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from common.http_server import ClientLimits
 from engine.config import EngineConfig, parse_size
 from engine.openmp_env import SPIN_WAIT_FLAG
 
 PROG = "python -m engine"
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_CLIENTS = ClientLimits()
 
 
 @dataclass
@@ -24,6 +26,8 @@ class ServerOptions:
     shutdown_timeout: float
     log_level: str
     max_header_bytes: int = 8190
+    max_n: int = 128
+    client_limits: ClientLimits = dataclasses.field(default_factory=ClientLimits)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +58,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise ValueError
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -73,6 +84,7 @@ _positive_int.__name__ = "positive integer"
 _non_negative_int.__name__ = "non-negative integer"
 _port.__name__ = "port (0-65535)"
 _fraction.__name__ = "fraction in (0, 1]"
+_seconds.__name__ = "positive number of seconds"
 _size.__name__ = "size (e.g. 512MiB)"
 
 
@@ -139,6 +151,22 @@ def build_parser() -> argparse.ArgumentParser:
          "larger request bodies get 413 (default %(default)s)"),
         ("--max-header-bytes", {"type": _size, "default": 8190, "metavar": "SIZE"},
          "longer request lines or header fields get 431 (default %(default)s)"),
+        ("--max-n", {"type": _positive_int, "default": 128, "metavar": "N"},
+         "most choices (n) one request may ask for; more gets 400 (default %(default)s)"),
+        ("--header-timeout", {"type": _seconds, "default": _CLIENTS.header_timeout_s,
+                              "metavar": "S"},
+         "complete a request head within this of its first byte, else 408 (default %(default)s)"),
+        ("--body-timeout", {"type": _seconds, "default": _CLIENTS.body_timeout_s, "metavar": "S"},
+         "a request body must arrive within this, else 408 (default %(default)s)"),
+        ("--idle-timeout", {"type": _seconds, "default": _CLIENTS.idle_timeout_s, "metavar": "S"},
+         "close connections silent this long, new or kept alive (default %(default)s)"),
+        ("--max-connections", {"type": _positive_int, "default": _CLIENTS.max_connections,
+                               "metavar": "N"},
+         "open connections; idle ones make room, then 503 (default %(default)s)"),
+        ("--max-connections-per-address", {"type": _positive_int,
+                                           "default": _CLIENTS.max_connections_per_address,
+                                           "metavar": "N"},
+         "open connections from one client address, then 429 (default %(default)s)"),
         ("--shutdown-timeout", {"type": float, "default": 30.0, "metavar": "S"},
          "seconds in-flight requests get to finish after SIGTERM (default %(default)s)"),
         ("--log-level", {"choices": ["debug", "info", "warning", "error"], "default": "info",
@@ -188,6 +216,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptio
         args.shutdown_timeout,
         args.log_level,
         args.max_header_bytes,
+        args.max_n,
+        ClientLimits(
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            idle_timeout_s=args.idle_timeout,
+            max_connections=args.max_connections,
+            max_connections_per_address=args.max_connections_per_address,
+        ),
     )
     return config, options
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 
 class EngineError(Exception):
     """Base class for errors the engine reports to callers."""
 
     status: int = 500
     error_type: str = "internal_error"
+    headers: ClassVar[Mapping[str, str]] = {}  # sent with the error answer
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

@@ -12,12 +12,41 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.errors import excerpt
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.sequence import CompletionOutput, RequestOutput, TokenLogprob
 
 MAX_COMPLETION_LOGPROBS = 20
+# Token strings bound the characters a token can stand for, except where a normalizer folds
+# several characters into one (NFC composition, say); twice over leaves room for that.
+_NORMALIZER_SLACK = 2
 _MISSING = object()
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask of this engine, checked before any tokenising."""
+
+    max_model_len: int
+    max_n: int
+    longest_token_chars: int  # the vocabulary's longest token string
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A prompt longer than this cannot fit in max_model_len tokens, so it is refused
+        without paying for its template and tokenisation."""
+        return self.max_model_len * self.longest_token_chars * _NORMALIZER_SLACK
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                f"prompt's {chars} characters are more than that many tokens can hold (at most "
+                f"{self.max_prompt_chars}). Please reduce the length of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
 
 @dataclass
@@ -110,11 +139,20 @@ def _reject_unsupported(body: dict) -> None:
         raise InvalidRequestError("best_of different from n is not supported", param="best_of")
 
 
-def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _choices(body: dict, max_n: int) -> int:
+    n = get_field(body, "n", "int", 1)
+    if n > max_n:
+        raise _bad("n", f"must be at most {max_n} (this engine's limit), got {n}")
+    return n
+
+
+def _sampling_params(
+    body: dict, max_tokens: int | None, logprobs: int | None, max_n: int
+) -> SamplingParams:
     temperature = get_field(body, "temperature", "number", 1.0)
     top_k = get_field(body, "top_k", "int", 0)
     return SamplingParams(
-        n=get_field(body, "n", "int", 1),
+        n=_choices(body, max_n),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=get_field(body, "top_p", "number", 1.0),
@@ -172,7 +210,7 @@ def _message_text(index: int, content: Any) -> str:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise _bad(
                     f"messages[{index}].content",
-                    f"part type {kind!r} is not supported (only 'text' parts)",
+                    f"part type {excerpt(repr(kind))} is not supported (only 'text' parts)",
                 )
             if not isinstance(part.get("text"), str):
                 raise _bad(f"messages[{index}].content", "text part needs a string 'text'")
@@ -190,10 +228,10 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise _bad(f"messages[{i}]", "must be an object")
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise _bad(
                 f"messages[{i}].role",
-                f"{role!r} is not supported (system, developer, user, assistant)",
+                f"{excerpt(repr(role))} is not supported (system, developer, user, assistant)",
             )
         if message.get("tool_calls"):
             raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported")
@@ -216,9 +254,10 @@ def apply_chat_template(
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int) -> GenerationRequest:
+def parse_chat_request(body: Any, tokenizer: Any, limits: RequestLimits) -> GenerationRequest:
     model, stream, include_usage = _common(body)
     messages = parse_messages(body)
+    limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
     max_tokens = get_field(body, "max_completion_tokens", "int")
     if max_tokens is None:
         max_tokens = get_field(body, "max_tokens", "int")
@@ -227,10 +266,10 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int) -> Generat
         logprobs = get_field(body, "top_logprobs", "int", 0)
     elif get_field(body, "top_logprobs", "int") is not None:
         raise InvalidRequestError("top_logprobs requires logprobs: true", param="top_logprobs")
-    params = _sampling_params(body, max_tokens, logprobs)
+    params = _sampling_params(body, max_tokens, logprobs, limits.max_n)
     add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
     prompt_ids = apply_chat_template(tokenizer, messages, add_generation_prompt)
-    _check_length(len(prompt_ids), max_tokens, max_model_len)
+    _check_length(len(prompt_ids), max_tokens, limits.max_model_len)
     return GenerationRequest("chat", model, prompt_ids, params, stream, include_usage)
 
 
@@ -243,11 +282,12 @@ def _is_token_list(value: Any) -> bool:
     )
 
 
-def completion_prompt_ids(prompt: Any, tokenizer: Any) -> list[int]:
+def completion_prompt_ids(prompt: Any, tokenizer: Any, limits: RequestLimits) -> list[int]:
     """A string, a token-id list, or a one-element list of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and not _is_token_list(prompt):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        limits.check_prompt_chars(len(prompt), "prompt")
         ids = list(tokenizer(prompt)["input_ids"])
     elif _is_token_list(prompt):
         ids = list(prompt)
@@ -260,17 +300,17 @@ def completion_prompt_ids(prompt: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int) -> GenerationRequest:
+def parse_completion_request(body: Any, tokenizer: Any, limits: RequestLimits) -> GenerationRequest:
     model, stream, include_usage = _common(body)
     if "prompt" not in body:
         raise _bad("prompt", "is required")
-    prompt_ids = completion_prompt_ids(body["prompt"], tokenizer)
     max_tokens = get_field(body, "max_tokens", "int", 16)  # OpenAI's default for completions
     logprobs = get_field(body, "logprobs", "int")
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise _bad("logprobs", f"must be between 0 and {MAX_COMPLETION_LOGPROBS}")
-    params = _sampling_params(body, max_tokens, logprobs)
-    _check_length(len(prompt_ids), max_tokens, max_model_len)
+    params = _sampling_params(body, max_tokens, logprobs, limits.max_n)
+    prompt_ids = completion_prompt_ids(body["prompt"], tokenizer, limits)  # the costly part last
+    _check_length(len(prompt_ids), max_tokens, limits.max_model_len)
     return GenerationRequest("completion", model, prompt_ids, params, stream, include_usage)
 
 

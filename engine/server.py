@@ -13,12 +13,15 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
+from common.errors import RequestRefused, excerpt
+from common.http_server import ClientLimits, GuardedRunner
+from common.json_body import parse_json
+from common.request_body import read_body
 from engine import protocol
 from engine.async_engine import AsyncEngine
 from engine.cli import ServerOptions
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError
-from engine.http_errors import JsonErrorRunner
 from engine.metrics import CONTENT_TYPE
 
 log = logging.getLogger("engine.server")
@@ -34,6 +37,8 @@ class ServerSettings:
     # Request line and each header field; aiohttp's default, ample for an API (the gateway
     # forwards only a few short headers). Longer gets a JSON 431 from EngineRunner.
     max_header_bytes: int = 8190
+    max_n: int = 128  # choices per request, as OpenAI's API allows
+    client_limits: ClientLimits = field(default_factory=ClientLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -41,7 +46,11 @@ _STATUS_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    417: "invalid_request_error",
+    429: "rate_limit_error",
     431: "invalid_request_error",
     500: "internal_error",
     503: "service_unavailable_error",
@@ -62,7 +71,8 @@ def error_response(
 
 
 def _error_bytes(status: int, message: str, code: str) -> bytes:
-    return json.dumps(protocol.error_body(message, _STATUS_TYPES[status], code=code)).encode()
+    error_type = _STATUS_TYPES.get(status, "error")
+    return json.dumps(protocol.error_body(message, error_type, code=code)).encode()
 
 
 class ModelNotFoundError(EngineError):
@@ -76,14 +86,17 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
     try:
         return await handler(request)
     except EngineError as error:
-        return error_response(
+        response = error_response(
             error.status, error.message, error.error_type, error.param, error.code
         )
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[SETTINGS_KEY].max_body_bytes
-        return error_response(
-            413, f"request body too large (limit {limit} bytes)", code="request_too_large"
-        )
+        response.headers.update(error.headers)
+        return response
+    except RequestRefused as refused:  # the shared HTTP layer's: body size, encoding, JSON
+        response = error_response(refused.status, refused.message, code=refused.code)
+        response.headers.update(refused.headers)
+        if refused.close:
+            response.force_close()
+        return response
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -98,14 +111,9 @@ def _engine(request: web.Request) -> AsyncEngine:
 
 
 async def _read_json(request: web.Request) -> Any:
-    limit = request.app[SETTINGS_KEY].max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InvalidRequestError(f"malformed JSON body: {error}") from error
+    settings = request.app[SETTINGS_KEY]
+    body = await read_body(request, settings.max_body_bytes, settings.client_limits.body_timeout_s)
+    return parse_json(body)
 
 
 def _served_name(request: web.Request, body: Any) -> str:
@@ -116,7 +124,9 @@ def _served_name(request: web.Request, body: Any) -> str:
         return names[0]
     if model not in names:
         raise ModelNotFoundError(
-            f"The model '{model}' does not exist.", param="model", code="model_not_found"
+            f"The model {excerpt(repr(model))} does not exist.",
+            param="model",
+            code="model_not_found",
         )
     return model
 
@@ -140,8 +150,13 @@ async def _generate(request: web.Request, parse: Any) -> web.StreamResponse:
     engine = _engine(request)
     body = await _read_json(request)
     model = _served_name(request, body)
-    engine.check_accepting()
-    parsed: protocol.GenerationRequest = parse(body, engine.tokenizer, engine.max_model_len)
+    engine.check_accepting()  # before any parsing work
+    limits = protocol.RequestLimits(
+        engine.max_model_len, request.app[SETTINGS_KEY].max_n, engine.longest_token_chars
+    )
+    parsed: protocol.GenerationRequest = await engine.on_prompt_thread(
+        lambda tokenizer: parse(body, tokenizer, limits)
+    )
     request_id = protocol.new_request_id(parsed.kind)
     builder = protocol.ResponseBuilder(parsed, request_id, model, engine.tokenizer)
     # Leaving the context early (client disconnect cancels this handler) aborts the request.
@@ -243,18 +258,21 @@ async def _tokenizer_body(request: web.Request) -> tuple[AsyncEngine, dict[str, 
     return engine, body
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    engine, body = await _tokenizer_body(request)
+def _tokens_of(body: dict[str, Any], tokenizer: Any) -> list[int]:
     if "messages" in body:
         add_generation_prompt = protocol.get_field(body, "add_generation_prompt", "bool", True)
         messages = protocol.parse_messages(body)
-        tokens = protocol.apply_chat_template(engine.tokenizer, messages, add_generation_prompt)
-    else:
-        prompt = protocol.get_field(body, "prompt", "str")
-        if prompt is None:
-            raise InvalidRequestError("'prompt' (a string) or 'messages' is required", "prompt")
-        special = protocol.get_field(body, "add_special_tokens", "bool", True)
-        tokens = list(engine.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+        return protocol.apply_chat_template(tokenizer, messages, add_generation_prompt)
+    prompt = protocol.get_field(body, "prompt", "str")
+    if prompt is None:
+        raise InvalidRequestError("'prompt' (a string) or 'messages' is required", "prompt")
+    special = protocol.get_field(body, "add_special_tokens", "bool", True)
+    return list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    engine, body = await _tokenizer_body(request)
+    tokens = await engine.on_prompt_thread(lambda tokenizer: _tokens_of(body, tokenizer))
     return web.json_response(
         {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
     )
@@ -264,12 +282,11 @@ async def detokenize(request: web.Request) -> web.Response:
     engine, body = await _tokenizer_body(request)
     tokens = protocol.get_int_list(body, "tokens")
     vocab = len(engine.tokenizer)
-    bad = [t for t in tokens if t >= vocab]
-    if bad:
-        raise InvalidRequestError(
-            f"token id {bad[0]} is out of vocabulary (size {vocab})", "tokens"
-        )
-    return web.json_response({"prompt": engine.tokenizer.decode(tokens)}, dumps=_dumps)
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", "tokens")
+    text = await engine.on_prompt_thread(lambda tokenizer: tokenizer.decode(tokens))
+    return web.json_response({"prompt": text}, dumps=_dumps)
 
 
 # ---- app -----------------------------------------------------------------------------------
@@ -277,9 +294,8 @@ async def detokenize(request: web.Request) -> web.Response:
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application:
     """The aiohttp app; the caller starts ``engine`` (see engine.__main__) and owns its lifetime."""
-    # aiohttp enforces client_max_size while reading; _read_json turns it into a 413 error body.
+    # _read_json enforces the body limit (after decompression, unlike aiohttp's own).
     app = web.Application(
-        client_max_size=settings.max_body_bytes,
         middlewares=[openai_errors],
         handler_args={
             "max_line_size": settings.max_header_bytes,
@@ -311,12 +327,21 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application
 # ---- process entry point -------------------------------------------------------------------
 
 
-class EngineRunner(JsonErrorRunner):
-    """``web.AppRunner`` whose parser-level refusals (oversized headers, malformed HTTP) are
-    OpenAI-shaped JSON too, not aiohttp's plain text."""
+class EngineRunner(GuardedRunner):
+    """``web.AppRunner`` whose refusals before the app (oversized headers, malformed HTTP,
+    connection caps and deadlines: common/http_server.py) are OpenAI-shaped JSON too."""
 
     def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        super().__init__(app, error_body=_error_bytes, name="engine", log=log, **kwargs)
+        settings = app[SETTINGS_KEY]
+        super().__init__(
+            app,
+            error_body=_error_bytes,
+            name="engine",
+            log=log,
+            limits=settings.client_limits,
+            max_body_bytes=lambda: settings.max_body_bytes,
+            **kwargs,
+        )
 
 
 def serve(config: EngineConfig, options: ServerOptions) -> int:
@@ -337,6 +362,8 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
         config.served_model_names,
         options.max_body_bytes,
         max_header_bytes=options.max_header_bytes,
+        max_n=options.max_n,
+        client_limits=options.client_limits,
     )
     app = create_app(engine, settings)
     runner = EngineRunner(

@@ -3,15 +3,15 @@ targets for Prometheus' HTTP service discovery."""
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from common.json_body import parse_json
+from common.request_body import read_body
 from gateway.config import ConfigError
 from gateway.errors import GatewayHTTPError
-from gateway.openai_api import read_body
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -58,12 +58,8 @@ class AdminEndpoints:
         """``{"backend": "host:port" | URL, "model": optional, "drain": true|false}`` takes a
         backend out of (or back into) rotation; without ``backend`` it drains the whole gateway:
         /ready answers 503 so a load balancer moves traffic away, while requests still work."""
-        try:
-            body = json.loads(await read_body(request, ADMIN_MAX_BODY) or b"{}")
-        except ValueError as exc:
-            raise GatewayHTTPError(
-                400, f"Request body is not valid JSON: {exc}", code="invalid_json"
-            ) from exc
+        timeout_s = self.gw.config.gateway.clients.body_timeout_s
+        body = parse_json(await read_body(request, ADMIN_MAX_BODY, timeout_s) or b"{}")
         if not isinstance(body, dict):
             raise GatewayHTTPError(400, "Request body must be a JSON object.", code="invalid_json")
         drain = body.get("drain", True)

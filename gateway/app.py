@@ -29,6 +29,7 @@ from gateway.router import Router
 log = logging.getLogger("modelyard.gateway")
 
 CONFIG_POLL_S = 1.0
+GATEWAY_KEY = web.AppKey("gateway", "Gateway")
 
 
 class Gateway:
@@ -146,8 +147,11 @@ class Gateway:
         new = config.gateway
         if (old.host, old.port) != (new.host, new.port):
             log.warning("listen address changes take effect after a restart")
-        if (old.max_header_bytes, old.max_body_bytes) != (new.max_header_bytes, new.max_body_bytes):
-            log.warning("header size limits change after a restart; the body limit applies now")
+        if (old.max_header_bytes, old.clients) != (new.max_header_bytes, new.clients):
+            log.warning(
+                "header size limits and client connection limits change after a restart; the "
+                "body limit and body_timeout_s apply now"
+            )
         removed = self.router.apply(config)
         for model in config.models:
             self.metrics.declare_model(model.name)
@@ -162,11 +166,19 @@ class Gateway:
             listener(config)
 
     async def _watch_config(self) -> None:
-        """Polls the file's mtime and size: cheap, portable, and no extra dependency."""
+        """Polls the file's mtime and size: cheap, portable, and no extra dependency. Reloads once
+        a change has held for a whole poll interval, so a file an editor writes in pieces is read
+        once, complete, rather than half-written (and refused)."""
+        settling: tuple[int, int] | None = None  # a changed stamp, not yet seen twice in a row
         while True:
             await asyncio.sleep(CONFIG_POLL_S)
             stamp = _stamp(self.config_path)
-            if stamp != self._config_stamp and stamp is not None:
+            if stamp is None or stamp == self._config_stamp:
+                settling = None
+            elif stamp != settling:
+                settling = stamp
+            else:
+                settling = None
                 await self.reload_logged("file changed")
 
     def ready(self) -> tuple[bool, dict[str, bool]]:
@@ -200,6 +212,7 @@ def create_app(gateway: Gateway) -> web.Application:
         client_max_size=1 << 40,
         handler_args={"max_field_size": gw.max_header_bytes, "max_line_size": gw.max_header_bytes},
     )
+    app[GATEWAY_KEY] = gateway
     api = OpenAIEndpoints(gateway)
     admin = AdminEndpoints(gateway)
 

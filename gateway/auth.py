@@ -17,7 +17,8 @@ _BEARER = "bearer "
 
 
 def _digest(secret: str) -> bytes:
-    return hashlib.sha256(secret.encode()).digest()
+    # aiohttp decodes header bytes that are not UTF-8 as surrogate escapes: hash them as sent.
+    return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
 
 
 class Authenticator:

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from common.http_server import ClientLimits
 from engine.config import parse_size
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
@@ -94,6 +95,7 @@ class GatewaySettings:
     retries: RetrySettings = RetrySettings()
     max_body_bytes: int = 4 * 2**20
     max_header_bytes: int = 8190
+    clients: ClientLimits = field(default_factory=ClientLimits)
     access_log: bool = True
     watch_config: bool = True  # reload when models.yaml changes on disk
     auth: AuthSettings = AuthSettings()
@@ -131,7 +133,8 @@ class ModelConfig:
     kv_cache_memory: int | None = None
     engine_args: tuple[str, ...] = ()  # extra `python -m engine` flags
     # Derived, not configured: the fleet's only local engine may let idle threads spin briefly
-    # (engine.openmp_env); with several, they would take each other's cores.
+    # (engine.openmp_env); with several, they would take each other's cores. The pool reads it
+    # at each engine start; it never makes the pool replace a running engine.
     spin_wait: bool = False
     limits: ModelLimits = ModelLimits()
     timeouts: Timeouts = Timeouts()
@@ -308,6 +311,28 @@ def _read_timeouts(r: _Reader, base: Timeouts) -> Timeouts:
     return t
 
 
+def _read_clients(r: _Reader) -> ClientLimits:
+    d = ClientLimits()
+
+    def seconds(key: str, default: float) -> float:
+        return r.number(key, default, minimum=0, exclusive_min=True)
+
+    def count(key: str, default: int) -> int:
+        return r.number(key, default, kind=int, minimum=1)
+
+    limits = ClientLimits(
+        header_timeout_s=seconds("header_timeout_s", d.header_timeout_s),
+        body_timeout_s=seconds("body_timeout_s", d.body_timeout_s),
+        idle_timeout_s=seconds("idle_timeout_s", d.idle_timeout_s),
+        max_connections=count("max_connections", d.max_connections),
+        max_connections_per_address=count(
+            "max_connections_per_address", d.max_connections_per_address
+        ),
+    )
+    r.finish()
+    return limits
+
+
 def _read_listen(r: _Reader) -> tuple[str, int]:
     listen = r.string("listen", "127.0.0.1:8000")
     assert listen is not None
@@ -415,6 +440,7 @@ def _read_gateway(r: _Reader) -> GatewaySettings:
         max_header_bytes=r.number(
             "max_header_bytes", GatewaySettings.max_header_bytes, kind=int, minimum=1024
         ),
+        clients=_read_clients(r.section("clients")),
         access_log=r.boolean("access_log", True),
         watch_config=r.boolean("watch_config", True),
         auth=_read_auth(r.section("auth")),

@@ -6,13 +6,18 @@ import json
 
 from aiohttp import web
 
+from common.errors import RequestRefused
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    417: "invalid_request_error",
     429: "rate_limit_error",
     431: "invalid_request_error",
     499: "client_closed_request",
@@ -54,7 +59,7 @@ def sse_error_event(status: int, message: str, code: str | None = None) -> bytes
     return b"data: " + error_body(status, message, code) + b"\n\n"
 
 
-class GatewayHTTPError(Exception):
+class GatewayHTTPError(RequestRefused):
     """Raised anywhere in request handling; the middleware turns it into an OpenAI error."""
 
     def __init__(
@@ -65,12 +70,14 @@ class GatewayHTTPError(Exception):
         param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = headers
+        super().__init__(status, message, code, param=param, headers=headers)
 
-    def response(self) -> web.Response:
-        return error_response(self.status, self.message, self.code, self.param, self.headers)
+
+def refusal_response(refused: RequestRefused) -> web.Response:
+    """The answer to a refused request (a GatewayHTTPError or the shared HTTP layer's)."""
+    response = error_response(
+        refused.status, refused.message, refused.code, refused.param, refused.headers
+    )
+    if refused.close:
+        response.force_close()
+    return response

@@ -3,10 +3,14 @@
 - Active: each backend's readiness path (``/ready`` for our engines, ``health_path`` per model) is
   fetched every ``interval_s``; ``unhealthy_after`` failures in a row take it out,
   ``healthy_after`` passes in a row bring it back. The first check runs at once and decides alone.
-- Passive: ``consecutive_failures`` connect errors, 5xx answers or timeouts in a row eject a backend
-  for ``base_s`` × its ejection count (capped at ``max_s``). At most ``max_percent`` of a model's
-  backends (but always at least one) are ejected at once, so a burst of bad luck cannot take a
-  whole model down. After its ejection time, the next passing check re-admits the backend.
+- Passive: ``consecutive_failures`` failed attempts in a row eject a backend for ``base_s`` × its
+  ejection count (capped at ``max_s``). Connect errors, resets, timeouts and 502/503/504 answers
+  count each time; the upstream's own error answers (500, 501, ...), which a client can provoke
+  with a bad body, once per distinct request signature (client, body) in the streak. A streak
+  that reaches the threshold only through repeats calls for an active check at once, and a failing
+  check ejects. Passive evidence never ejects a model's last available backend, nor more than
+  ``max_percent`` of its backends (at least one may always go): the active check then runs at once
+  and the checks decide. After its ejection time, the next passing check re-admits a backend.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class HealthMonitor:
         self.ejection = ejection
         self._tasks: dict[Backend, asyncio.Task[None]] = {}
         self._wakeups: dict[Backend, asyncio.Event] = {}  # lets an ejection end the wait early
+        self._suspects: set[Backend] = set()  # checks called for by passive evidence (_check_now)
 
     def retry_after_s(self) -> int:
         """Whole seconds a client should wait when no backend of a model is available: until the
@@ -56,21 +61,46 @@ class HealthMonitor:
     # ---- passive outlier detection (called by the proxy on every attempt's outcome) ----
 
     def record_success(self, backend: Backend) -> None:
-        backend.consecutive_failures = 0
+        if backend.consecutive_failures or backend.repeated_failures:
+            backend.clear_failures()
 
-    def record_failure(self, route: ModelRoute, backend: Backend) -> None:
-        backend.consecutive_failures += 1
-        if backend.ejected or backend.consecutive_failures < self.ejection.consecutive_failures:
+    def record_failure(
+        self, route: ModelRoute, backend: Backend, signature: int | None = None
+    ) -> None:
+        """One failed attempt. ``signature`` None: the backend failed to answer properly (connect
+        error, reset, timeout, 502/503/504), which always counts. Else the upstream answered with
+        an error that the request itself may have caused: it counts once per signature in the
+        streak, so one client replaying a poison body cannot build one; repeats only call for an
+        active check."""
+        threshold = self.ejection.consecutive_failures
+        if signature is None or signature not in backend.failure_signatures:
+            backend.consecutive_failures += 1
+            if signature is not None and len(backend.failure_signatures) < threshold:
+                backend.failure_signatures.add(signature)  # bounded: more would change nothing
+        else:
+            backend.repeated_failures += 1
+        if backend.ejected:
             return
+        if backend.consecutive_failures >= threshold and self._may_eject(route, backend):
+            self._eject(backend)
+        elif backend.consecutive_failures + backend.repeated_failures >= threshold:
+            self._check_now(backend)
+
+    def _may_eject(self, route: ModelRoute, backend: Backend) -> bool:
+        """Never the model's last available backend (everyone would get 503 on evidence that
+        clients can fake), and at most ``max_percent`` of its backends (at least one)."""
+        if not any(b.available for b in route.backends if b is not backend):
+            return False
         ejected = sum(1 for b in route.backends if b.ejected)
-        allowed = max(1, math.floor(len(route.backends) * self.ejection.max_percent / 100))
-        if ejected >= allowed:
-            return
+        return ejected < max(1, math.floor(len(route.backends) * self.ejection.max_percent / 100))
+
+    def _eject(self, backend: Backend) -> None:
         backend.ejection_count += 1
         duration = min(self.ejection.base_s * backend.ejection_count, self.ejection.max_s)
         backend.ejected = True
         backend.ejected_until = time.monotonic() + duration
-        backend.consecutive_failures = 0
+        backend.clear_failures()
+        self._suspects.discard(backend)
         backend.refresh()
         self._evict(backend)
         self.metrics.ejections.labels(backend.model, backend.label).inc()
@@ -84,6 +114,29 @@ class HealthMonitor:
         )
         # Check it again as soon as the ejection time is over rather than at the next interval.
         self._wake(backend, duration)
+
+    def _check_now(self, backend: Backend) -> None:
+        """Passive evidence that may not eject alone: the active check runs now and decides
+        (``_settle``). One at a time per backend, so a flood of failures is not a flood of
+        checks."""
+        event = self._wakeups.get(backend)
+        if event is None or backend in self._suspects:
+            return
+        self._suspects.add(backend)
+        event.set()
+
+    def _settle(self, backend: Backend, passed: bool) -> None:
+        """A check's verdict on a suspect. Failing, it confirms the streak: ejection where the
+        model can spare the backend, otherwise ``unhealthy_after`` counts it like any failed
+        check. Passing, it clears the streak."""
+        if backend not in self._suspects:
+            return
+        self._suspects.discard(backend)
+        route = self.router.routes.get(backend.model)
+        if not passed and backend.available and route and self._may_eject(route, backend):
+            self._eject(backend)
+        else:
+            backend.clear_failures()
 
     @staticmethod
     def _evict(backend: Backend) -> None:
@@ -103,6 +156,7 @@ class HealthMonitor:
         for backend in removed:
             task = self._tasks.pop(backend, None)
             self._wakeups.pop(backend, None)
+            self._suspects.discard(backend)
             if task:
                 task.cancel()
             self.metrics.forget_backend(backend)
@@ -131,6 +185,7 @@ class HealthMonitor:
         while not backend.removed:
             passed = await self._probe(backend)
             self._apply(backend, passed, first)
+            self._settle(backend, passed)
             first = False
             await self._sleep(backend, self.health.interval_s * random.uniform(0.9, 1.1))
 
@@ -167,7 +222,7 @@ class HealthMonitor:
                 backend.healthy = True
             if backend.ejected and time.monotonic() >= backend.ejected_until:
                 backend.ejected = False
-                backend.consecutive_failures = 0
+                backend.clear_failures()
                 backend.last_readmit = time.monotonic()
             elif (
                 backend.ejection_count

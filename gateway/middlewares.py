@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from gateway.errors import GatewayHTTPError, error_response
+from common.errors import RequestRefused
+from gateway.errors import error_response, refusal_response
 from gateway.metrics import UNKNOWN_MODEL
 from gateway.request_keys import API_KEY, EXCHANGE, MODEL, REQUEST_ID
 
@@ -41,8 +42,8 @@ def make_context_middleware(gateway: Gateway):
         try:
             response = await handler(request)
             status = response.status
-        except GatewayHTTPError as exc:
-            response = exc.response()
+        except RequestRefused as exc:  # the gateway's own, and the shared HTTP layer's
+            response = refusal_response(exc)
             status = exc.status
         except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method...
             if exc.status < 400:

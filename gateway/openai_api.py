@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from common.errors import excerpt
+from common.json_body import parse_json
+from common.request_body import read_body
 from gateway.auth import may_use
 from gateway.errors import GatewayHTTPError
 from gateway.proxy import Exchange
@@ -22,37 +25,9 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
 
-async def read_body(request: web.Request, max_bytes: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed ``max_bytes``: from
-    Content-Length before reading, or while reading a chunked body."""
-    if request.content_length is not None:
-        if request.content_length > max_bytes:
-            raise _too_large(max_bytes)
-        return await request.read()
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(max_bytes: int) -> GatewayHTTPError:
-    return GatewayHTTPError(
-        413, f"Request body is larger than {max_bytes} bytes.", code="body_too_large"
-    )
-
-
 def parse_request(body: bytes, chat: bool) -> dict[str, Any]:
     """Checks the fields the gateway relies on; the upstream validates the rest."""
-    try:
-        payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise GatewayHTTPError(
-            400, f"Request body is not valid JSON: {exc}", code="invalid_json"
-        ) from exc
+    payload = parse_json(body)
     if not isinstance(payload, dict):
         raise GatewayHTTPError(400, "Request body must be a JSON object.", code="invalid_json")
     model = payload.get("model")
@@ -178,14 +153,16 @@ class OpenAIEndpoints:
     async def _completion(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         gw = self.gw
         started = time.monotonic()
-        body = await read_body(request, gw.config.gateway.max_body_bytes)
+        settings = gw.config.gateway
+        body = await read_body(request, settings.max_body_bytes, settings.clients.body_timeout_s)
         payload = parse_request(body, chat)
         key = request[API_KEY]
         route = gw.router.resolve(payload["model"])
         if route is None or not may_use(key, route.name):
             raise GatewayHTTPError(
                 404,
-                f"The model '{payload['model']}' does not exist or you do not have access to it.",
+                f"The model '{excerpt(payload['model'])}' does not exist or you do not have "
+                "access to it.",
                 param="model",
                 code="model_not_found",
             )
@@ -231,6 +208,7 @@ class OpenAIEndpoints:
             route=route,
             admission=admission,
             affinity_key=affinity_key(route, payload),
+            client=key_name or request.remote or "",
             started=started,
         )
         request[EXCHANGE] = ex

@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -96,8 +96,10 @@ def engine_command(
 
 
 def spec_of(model: ModelConfig) -> tuple[str, ...]:
-    """What makes two replicas interchangeable: the engine command without its port."""
-    return tuple(engine_command(model, 0, ()))
+    """What makes two replicas interchangeable: the engine command without its port, and without
+    ``--spin-wait``, which follows the fleet's size (decided per start, see ``_supervise``): a
+    replica count change must not replace the other replicas."""
+    return tuple(engine_command(replace(model, spin_wait=False), 0, ()))
 
 
 def free_port() -> int:
@@ -113,6 +115,7 @@ class Replica:
     config: ModelConfig
     port: int = 0
     proc: asyncio.subprocess.Process | None = None
+    spin_wait: bool = False  # whether the running process got --spin-wait
     ready: bool = False
     stopping: bool = False
     restarts: int = 0
@@ -223,7 +226,13 @@ class EnginePool:
                 )
                 return
             await self._retire(model.name, [old])
-        fresh = [r for r in self.replicas[model.name] if r.spec == spec]
+        # Scaling down keeps first the replicas whose spin-wait suits the fleet as it will be: a
+        # spinner left from a lone start is kept when the model is back to one replica (fast
+        # again), and goes first otherwise.
+        fresh = sorted(
+            (r for r in self.replicas[model.name] if r.spec == spec),
+            key=lambda r: r.spin_wait != model.spin_wait,
+        )
         for _ in range(model.replicas - len(fresh)):
             if not await self._add_replica(model, spec):
                 log.error("model %s: replica did not become ready", model.name)
@@ -282,6 +291,9 @@ class EnginePool:
         backoff = BACKOFF_BASE_S
         while not replica.stopping:
             replica.port = free_port()
+            # Spin-wait is decided here, at every start, from the fleet as configured now
+            # (replica.config follows reloads); a running engine keeps what it started with.
+            replica.spin_wait = replica.config.spin_wait
             command = die_with_gateway() + engine_command(
                 replica.config, replica.port, self.launcher
             )

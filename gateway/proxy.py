@@ -41,6 +41,9 @@ _SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _RETRY_STATUSES = (502, 503)
+# Answers that say the upstream (or a proxy before it) is unwell whatever was asked; the upstream's
+# other 5xx may be its answer to a bad request.
+_GATEWAY_STATUSES = (502, 503, 504)
 # Answers whose back-off hints reach the client: an upstream that is rate limited or overloaded
 # knows best when to come back.
 _HINT_STATUSES = (429, 503)
@@ -120,6 +123,7 @@ class Exchange:
     route: ModelRoute
     admission: Admission
     affinity_key: bytes | None = None
+    client: str = ""  # who asked (API key name, else remote address): part of failure signatures
     started: float = field(default_factory=time.monotonic)
     backend: str = "-"
     status: int = 0
@@ -370,12 +374,16 @@ class Proxy:
         if status < 500:
             self.health.record_success(backend)
             return
-        self._failed(ex, backend)
+        self._failed(ex, backend, answered=status not in _GATEWAY_STATUSES)
         if status in _RETRY_STATUSES:
             raise Retryable(status, body, f"status_{status}", content_type, headers=hints)
 
-    def _failed(self, ex: Exchange, backend: Backend) -> None:
-        self.health.record_failure(ex.route, backend)
+    def _failed(self, ex: Exchange, backend: Backend, answered: bool = False) -> None:
+        """``answered``: the upstream answered with an error status of its own (500, 501, ...),
+        which the request may have caused: health counts it once per request signature, the
+        client and a digest of the body (computed only here, on failure)."""
+        signature = hash((ex.client, ex.body)) if answered else None
+        self.health.record_failure(ex.route, backend, signature)
 
     def _retryable(
         self,

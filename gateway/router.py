@@ -32,12 +32,14 @@ class Backend:
         "ejected",
         "ejected_until",
         "ejection_count",
+        "failure_signatures",
         "healthy",
         "label",
         "last_readmit",
         "model",
         "outstanding",
         "removed",
+        "repeated_failures",
         "url",
         "url_bytes",
         "waiting",
@@ -55,7 +57,12 @@ class Backend:
         self.ejected = False
         self.ejected_until = 0.0
         self.ejection_count = 0
+        # The passive failure streak (see HealthMonitor.record_failure): failures that count toward
+        # ejection, the signatures of the upstream's own error answers among them, and answers
+        # that repeated one of those signatures (counted only toward an active check).
         self.consecutive_failures = 0
+        self.failure_signatures: set[int] = set()
+        self.repeated_failures = 0
         self.check_ok_streak = 0
         self.check_fail_streak = 0
         self.last_readmit = 0.0
@@ -68,6 +75,12 @@ class Backend:
         self.available = (
             self.healthy and not self.ejected and not self.draining and not self.removed
         )
+
+    def clear_failures(self) -> None:
+        """Ends the passive failure streak."""
+        self.consecutive_failures = 0
+        self.repeated_failures = 0
+        self.failure_signatures.clear()
 
     def state(self) -> dict:
         return {

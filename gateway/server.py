@@ -1,6 +1,6 @@
-"""The aiohttp runner around the gateway app: parser-level refusals (oversized headers, malformed
-HTTP) answer in the gateway's OpenAI error shape; see engine/http_errors.py, shared with the
-engine's server."""
+"""The aiohttp runner around the gateway app (common/http_server.py): parser-level refusals and
+connection-level ones (caps, deadlines) answer in the gateway's OpenAI error shape, with the
+client limits of models.yaml's ``gateway.clients``."""
 
 from __future__ import annotations
 
@@ -9,12 +9,26 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.http_errors import JsonErrorRunner
+from common.http_server import GuardedRunner
+from gateway.app import GATEWAY_KEY
 from gateway.errors import error_body
 
 log = logging.getLogger("modelyard.gateway")
 
+# A proxied request holds the client's connection and one to the upstream.
+_FDS_PER_CONNECTION = 2
 
-class GatewayRunner(JsonErrorRunner):
+
+class GatewayRunner(GuardedRunner):
     def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        super().__init__(app, error_body=error_body, name="gateway", log=log, **kwargs)
+        gateway = app[GATEWAY_KEY]
+        super().__init__(
+            app,
+            error_body=error_body,
+            name="gateway",
+            log=log,
+            limits=gateway.config.gateway.clients,
+            max_body_bytes=lambda: gateway.config.gateway.max_body_bytes,
+            fds_per_connection=_FDS_PER_CONNECTION,
+            **kwargs,
+        )

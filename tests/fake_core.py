@@ -114,7 +114,7 @@ class FakeCore:
     def stats(self) -> FakeStats:
         return FakeStats(
             num_running=len(self._running),
-            num_waiting=len(self._waiting),
+            num_waiting=sum(r.params.n for r in self._waiting),  # sequences, as the core counts
             kv_cache_usage=len(self._running) / 64,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from common.http_server import ClientLimits
 from engine.async_engine import AsyncEngine
 from engine.server import EngineRunner, ServerSettings, create_app
 
@@ -38,9 +39,13 @@ class InProcessServer:
         names: list[str],
         max_queue: int = 64,
         max_body_bytes: int = 4 * 2**20,
+        client_limits: ClientLimits | None = None,
     ) -> None:
         self.engine = AsyncEngine(core_factory, names[0], max_queue=max_queue)
-        self.app = create_app(self.engine, ServerSettings(names, max_body_bytes))
+        settings = ServerSettings(
+            names, max_body_bytes, client_limits=client_limits or ClientLimits()
+        )
+        self.app = create_app(self.engine, settings)
         self.runner = EngineRunner(self.app, handler_cancellation=True, shutdown_timeout=2.0)
         self.url = ""
 

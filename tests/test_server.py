@@ -458,7 +458,7 @@ async def test_queue_limit_503_then_sigterm_finishes_in_flight_and_exits_0(tiny_
                 assert all(status == 503 for status, _ in shed), shed
                 assert all(body["error"]["code"] == "overloaded" for _, body in shed)
                 status, payload = await post(proc.url + CHAT, chat_body("x" * 3000))
-                assert status == 413 and payload["error"]["code"] == "request_too_large"
+                assert status == 413 and payload["error"]["code"] == "body_too_large"
                 proc.proc.send_signal(subprocess.signal.SIGTERM)
                 rest = await reply.content.read()
                 # the queued request was in flight at SIGTERM: it still completes

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from engine.server import EngineRunner
+from engine.server import SETTINGS_KEY, EngineRunner, ServerSettings
 from tests.fake_core import FakeCore
 from tests.raw_http import assert_openai_error, raw_exchange
 from tests.server_utils import InProcessServer
@@ -199,6 +199,7 @@ async def test_error_escaping_the_app_is_json_500():
         raise RuntimeError("bug")
 
     app = web.Application()  # no openai_errors middleware: the error reaches the runner
+    app[SETTINGS_KEY] = ServerSettings(["tiny"])
     app.router.add_get("/broken", broken)
     runner = EngineRunner(app)
     await runner.setup()
@@ -224,7 +225,7 @@ async def test_body_over_limit_is_413(server):
     body = {"model": "tiny", "prompt": "x" * 5000}
     status, payload = await _post(server.url + COMPLETIONS, body)
     assert status == 413
-    _assert_error(payload, code="request_too_large")
+    _assert_error(payload, code="body_too_large")
 
 
 async def test_body_over_limit_without_content_length_is_413(server):
@@ -237,7 +238,7 @@ async def test_body_over_limit_without_content_length_is_413(server):
         session.post(server.url + COMPLETIONS, data=chunks()) as reply,
     ):
         assert reply.status == 413
-        _assert_error(await reply.json(content_type=None), code="request_too_large")
+        _assert_error(await reply.json(content_type=None), code="body_too_large")
 
 
 async def test_load_shedding_is_503(tokenizer):

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway import app as gateway_app
 from gateway.config import ConfigError, load_config, parse_config
+from tests.gateway.conftest import fleet
+from tests.gateway.test_resilience import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,3 +170,40 @@ def test_check_command(tmp_path):
     assert failed.returncode == 1
     assert f"{bad}: extra: unknown key" in failed.stderr
     assert f"{bad}: models[0].upstreams: must list at least one URL" in failed.stderr
+
+
+async def test_watcher_waits_until_the_file_is_written(start_gateway, fresh_upstreams, monkeypatch):
+    """An editor's write in two pieces, with the watcher polling in between: one reload, of the
+    whole file, and no rejection of the half."""
+    polls = 0
+    stamp = gateway_app._stamp
+
+    def counted_stamp(path):
+        nonlocal polls
+        polls += 1
+        return stamp(path)
+
+    async def next_poll() -> None:
+        seen = polls
+        await wait_for(lambda: polls > seen, timeout=2.0)
+
+    monkeypatch.setattr(gateway_app, "_stamp", counted_stamp)
+    monkeypatch.setattr(gateway_app, "CONFIG_POLL_S", 0.05)
+    upstream = fresh_upstreams[0].url
+    gw = await start_gateway(fleet([upstream], watch_config=True))
+    reloads = gw.gateway.metrics.config_reloads
+    doc = fleet([upstream], watch_config=True)
+    doc["models"][0]["aliases"] = ["default", "renamed"]
+    text = yaml.safe_dump(doc)
+    cut = text.index("upstreams:") + 4  # the first half is not a valid models.yaml
+    await next_poll()
+    with gw.path.open("w") as file:
+        file.write(text[:cut])
+        file.flush()
+        await next_poll()  # the watcher has seen the half-written file
+        file.write(text[cut:])
+    await wait_for(lambda: gw.gateway.router.resolve("renamed") is not None, timeout=3.0)
+    for _ in range(3):
+        await next_poll()
+    assert reloads.labels("applied")._value.get() == 1
+    assert reloads.labels("rejected")._value.get() == 0

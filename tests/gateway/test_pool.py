@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import sys
@@ -127,6 +128,49 @@ def test_only_the_fleets_single_engine_spins(tmp_path):
     two = local_fleet(tmp_path, replicas=1)
     two["models"].append({**two["models"][0], "name": "second", "aliases": []})
     assert flags(two) == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("counts", "spinning"),
+    [((2, 1, 2), [False, False]), ((1, 2, 1), [True]), ((1, 3, 2), [False, False])],
+)
+async def test_scaling_replicas_leaves_the_other_replicas_running(
+    pooled, tmp_path, monkeypatch, counts, spinning
+):
+    """A replica count change starts or stops only the replicas it adds or removes, although it
+    changes whether the fleet has a lone engine: --spin-wait is decided per engine start and is
+    not part of what makes a replica stale. Scaling down keeps first the replicas whose spin-wait
+    suits the new count: back to one, the lone spinner stays; to several, it goes first."""
+    commands: list[list[str]] = []
+    engines: list[asyncio.subprocess.Process] = []
+    spawn = asyncio.create_subprocess_exec
+
+    async def counting_spawn(*command, **kwargs):
+        commands.append(list(command))
+        engines.append(await spawn(*command, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", counting_spawn)
+    gateway, _, path = await pooled(local_fleet(tmp_path, replicas=counts[0]))
+    await gateway.pool.apply(gateway.config)  # waits for the start-up
+    for replicas in counts[1:]:
+        path.write_text(yaml.safe_dump(local_fleet(tmp_path, replicas=replicas)))
+        await gateway.reload()
+        await gateway.pool.apply(gateway.config)  # waits for the scaling
+    steps = list(itertools.pairwise(counts))
+    added = counts[0] + sum(max(0, new - old) for old, new in steps)
+    removed = sum(max(0, old - new) for old, new in steps)
+    assert len(engines) == added  # e.g. 2→1→2: two at start-up, then one
+    assert [e.returncode is not None for e in engines].count(True) == removed
+    assert all(r.restarts == 0 for r in gateway.pool.replicas["local"])
+    assert {r.proc for r in gateway.pool.replicas["local"]} == {
+        e for e in engines if e.returncode is None
+    }
+    # Only an engine started as the fleet's only one spins.
+    assert ["--spin-wait" in c for c in commands] == [counts[0] == 1] + [False] * (added - 1)
+    assert [r.spin_wait for r in gateway.pool.replicas["local"]] == spinning
+    route = gateway.router.resolve("local")
+    await wait_for(lambda: len(route.backends) == counts[-1], timeout=5)
 
 
 def _write(tmp_path: Path, doc: dict) -> Path:

@@ -1,0 +1,4 @@
+"""What the gateway and the engine share, and nothing heavier: the hardened HTTP server both run
+(connection limits, client deadlines, parser refusals as JSON), request bodies (size limits that
+hold after decompression, strict JSON), and the error they raise for a refused request. Imports
+no torch and nothing from gateway/ or engine/."""
