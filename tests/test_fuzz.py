@@ -1,0 +1,144 @@
+"""A bounded, seeded HTTP fuzz of both servers (cases: tests/fuzzing.py; sending and judging:
+tests/fuzz_runner.py, whose docstring says what counts as a finding). The longer run is
+scripts/fuzz.py.
+
+- gateway: in process (its runner and app, as ``modelyard serve`` builds them), API keys on,
+  routing m1 to a mock upstream and ``down`` to a closed port;
+- engine: a real ``python -m engine`` process on the tiny random Llama (a real EngineCore; a
+  process, so that its RSS is its own and a runaway allocation can be killed by PID).
+
+Each must give 0 5xx (502-504 only for ``down``), 0 non-JSON error bodies, 0 hangs, 0 closes
+without an answer (except where tests/fuzz_runner.py allows them) and bounded RSS growth. A
+failure lists the findings grouped by cause, each with the seed and index that rebuild its case:
+``make_case(gateway_profile(...) or engine_profile(), seed, index)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from aiohttp import web
+
+from gateway.app import Gateway, create_app
+from gateway.config import load_config
+from gateway.server import GatewayRunner
+from tests.fuzz_runner import (
+    GATEWAY_ADMIN_ENV,
+    GATEWAY_KEY_ENV,
+    GATEWAY_KEYS,
+    MIB,
+    LogCapture,
+    ProcessServer,
+    Report,
+    Runner,
+    Settings,
+    engine_command,
+    free_port,
+    gateway_document,
+)
+from tests.fuzzing import engine_profile, gateway_profile
+from tests.gateway.conftest import MockUpstream
+
+pytestmark = pytest.mark.timeout(300)
+
+SEED = 20260601
+GATEWAY_CASES = 2500
+ENGINE_CASES = 2500
+# RSS growth from after the warm-up to the end of the run. Bodies reach 4 MiB and inflated ones
+# stop at the 4 MiB limit, so the allocator may keep a few such buffers (tens of MiB) after the
+# peak; retaining anything per request (a body, a parsed payload: >= ~1 KiB each) over thousands
+# of cases, or inflating a bomb past the limit once (32 MiB), goes beyond these bounds.
+GATEWAY_RSS_GROWTH = 64 * MIB  # the test process itself: the gateway and this client
+ENGINE_RSS_GROWTH = 96 * MIB  # the engine adds tokenizer and KV bookkeeping per request
+ENGINE_FLAGS = (
+    "--kv-cache-memory", "16MiB", "--max-num-seqs", "16", "--max-model-len", "256",
+    "--num-threads", "1", "--max-queue", "64",
+)  # fmt: skip
+
+
+class InProcessGateway:
+    """The gateway served from this process; the runner's Server. It cannot be restarted: a
+    run that breaks it stops there, and the report says so."""
+
+    name = "gateway"
+    host = "127.0.0.1"
+
+    def __init__(self, port: int, capture: LogCapture) -> None:
+        self.port = port
+        self.pid = os.getpid()
+        self._capture = capture
+
+    def new_errors(self) -> list[str]:
+        return self._capture.new_errors()
+
+    def alive(self) -> bool:
+        return True
+
+    def kill(self) -> None:
+        """Never: this process is the test."""
+
+    async def restart(self) -> bool:
+        return False
+
+
+def assert_clean(report: Report, rss_growth_bound: int) -> None:
+    print(report.summary())
+    problems = []
+    if report.findings:
+        problems.append(f"{len(report.findings)} findings")
+    if report.rss_growth > rss_growth_bound:
+        problems.append(
+            f"RSS grew {report.rss_growth / MIB:.1f} MiB, over {rss_growth_bound / MIB:.0f} MiB"
+        )
+    if report.stopped_early:
+        problems.append(report.stopped_early)
+    assert not problems, "; ".join(problems) + "\n" + report.summary(examples=40)
+
+
+async def test_gateway_survives_fuzzing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in GATEWAY_KEYS.items():
+        monkeypatch.setenv(name, value)
+    mock = MockUpstream("fuzz-mock").start()
+    capture = LogCapture()
+    logging.getLogger().addHandler(capture)
+    runner: web.AppRunner | None = None
+    try:
+        mock.control(tokens=2)  # whatever max_tokens a fuzzed body asks for
+        path = tmp_path / "models.yaml"
+        dead = f"http://127.0.0.1:{free_port()}"
+        path.write_text(yaml.safe_dump(gateway_document(mock.url, dead)))
+        runner = GatewayRunner(
+            create_app(Gateway(load_config(path), str(path))), handler_cancellation=True
+        )
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        profile = gateway_profile(GATEWAY_KEYS[GATEWAY_KEY_ENV], GATEWAY_KEYS[GATEWAY_ADMIN_ENV])
+        settings = Settings(timeout_s=5.0, incomplete_wait_s=2.5, max_wall_s=120.0)
+        report = await Runner(InProcessGateway(port, capture), profile, settings).run(
+            SEED, GATEWAY_CASES
+        )
+    finally:
+        logging.getLogger().removeHandler(capture)
+        if runner is not None:
+            await runner.cleanup()
+        mock.stop()
+    assert_clean(report, GATEWAY_RSS_GROWTH)
+
+
+async def test_engine_survives_fuzzing(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    server = ProcessServer("engine", engine_command(tiny_llama_dir, "tiny", ENGINE_FLAGS), tmp_path)
+    server.start()
+    try:
+        # 1 GiB over the warm-up RSS: far past any bounded request, well before the machine's.
+        settings = Settings(
+            timeout_s=8.0, incomplete_wait_s=1.0, max_wall_s=150.0, rss_headroom=1024 * MIB
+        )
+        report = await Runner(server, engine_profile("tiny"), settings).run(SEED, ENGINE_CASES)
+    finally:
+        server.stop()
+    assert_clean(report, ENGINE_RSS_GROWTH)
