@@ -54,7 +54,6 @@ class ServiceUnavailableError(EngineError):
     """The engine cannot take this request now (loading, overloaded, shutting down, dead)."""
 
     status = 503
-    error_type = "service_unavailable_error"
     # Clients (the OpenAI SDKs, the gateway's retries) wait this long before trying again.
     headers: ClassVar[Mapping[str, str]] = {"Retry-After": "1"}
 
@@ -63,7 +62,6 @@ class EngineDeadError(EngineError):
     """The engine loop crashed while this request was in flight."""
 
     status = 500
-    error_type = "internal_error"
 
 
 _ADMITTED = object()  # first item of a request's queue once the core accepted it

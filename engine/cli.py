@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from common.engine_args import SPIN_WAIT_FLAG
 from common.http_server import ClientLimits
-from engine.config import EngineConfig, parse_size
-from engine.openmp_env import SPIN_WAIT_FLAG
+from common.sizes import parse_size
+from engine.config import EngineConfig
 
 PROG = "python -m engine"
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}

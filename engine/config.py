@@ -2,29 +2,7 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-}
-
-
-def parse_size(value: str | int) -> int:
-    """Parse a byte size such as ``512MiB``, ``2GB`` or ``1048576``."""
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
-    if not match or match.group(2).upper() not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {value!r}: expected e.g. 512MiB, 2GiB or a byte count")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
 
 
 @dataclass

@@ -10,7 +10,7 @@ class EngineError(Exception):
     """Base class for errors the engine reports to callers."""
 
     status: int = 500
-    error_type: str = "internal_error"
+    error_type: str | None = None  # None: the status's OpenAI type (common/errors.py)
     headers: ClassVar[Mapping[str, str]] = {}  # sent with the error answer
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
@@ -24,7 +24,6 @@ class InvalidRequestError(EngineError):
     """A request parameter is invalid (HTTP 400)."""
 
     status = 400
-    error_type = "invalid_request_error"
 
 
 class ModelLoadError(EngineError):

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
 
-SPIN_WAIT_FLAG = "--spin-wait"
+from common.engine_args import SPIN_WAIT_FLAG
+
 _SPIN_COUNT = "10000"
 
 

@@ -317,12 +317,6 @@ def parse_completion_request(body: Any, tokenizer: Any, limits: RequestLimits) -
 # ---- responses -----------------------------------------------------------------------------
 
 
-def error_body(
-    message: str, error_type: str, param: str | None = None, code: str | None = None
-) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
 def new_request_id(kind: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 

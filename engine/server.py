@@ -13,7 +13,14 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from common.errors import RequestRefused, excerpt
+from common.errors import (
+    RequestRefused,
+    error_body,
+    error_object,
+    error_response,
+    excerpt,
+    refusal_response,
+)
 from common.http_server import ClientLimits, GuardedRunner
 from common.json_body import parse_json
 from common.request_body import read_body
@@ -42,42 +49,8 @@ class ServerSettings:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-_STATUS_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    417: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    500: "internal_error",
-    503: "service_unavailable_error",
-}
-
-
-def error_response(
-    status: int,
-    message: str,
-    error_type: str | None = None,
-    param: str | None = None,
-    code: str | None = None,
-) -> web.Response:
-    body = protocol.error_body(
-        message, error_type or _STATUS_TYPES.get(status, "error"), param, code
-    )
-    return web.json_response(body, status=status)
-
-
-def _error_bytes(status: int, message: str, code: str) -> bytes:
-    error_type = _STATUS_TYPES.get(status, "error")
-    return json.dumps(protocol.error_body(message, error_type, code=code)).encode()
-
-
 class ModelNotFoundError(EngineError):
     status = 404
-    error_type = "invalid_request_error"
 
 
 @web.middleware
@@ -86,17 +59,11 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
     try:
         return await handler(request)
     except EngineError as error:
-        response = error_response(
-            error.status, error.message, error.error_type, error.param, error.code
+        return error_response(
+            error.status, error.message, error.code, error.param, error.headers, error.error_type
         )
-        response.headers.update(error.headers)
-        return response
     except RequestRefused as refused:  # the shared HTTP layer's: body size, encoding, JSON
-        response = error_response(refused.status, refused.message, code=refused.code)
-        response.headers.update(refused.headers)
-        if refused.close:
-            response.force_close()
-        return response
+        return refusal_response(refused)
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -185,7 +152,9 @@ async def _stream(
                 if data:
                     await response.write(data)
         except EngineError as error:  # headers are out: report in-band, like OpenAI does
-            body = protocol.error_body(error.message, error.error_type, error.param, error.code)
+            body = error_object(
+                error.status, error.message, error.code, error.param, error.error_type
+            )
             await response.write(_sse(body))
         if builder.request.include_usage:
             await response.write(_sse(builder.usage_chunk()))
@@ -335,7 +304,7 @@ class EngineRunner(GuardedRunner):
         settings = app[SETTINGS_KEY]
         super().__init__(
             app,
-            error_body=_error_bytes,
+            error_body=error_body,
             name="engine",
             log=log,
             limits=settings.client_limits,

@@ -8,10 +8,10 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from common.errors import RequestRefused
 from common.json_body import parse_json
 from common.request_body import read_body
 from gateway.config import ConfigError
-from gateway.errors import GatewayHTTPError
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -49,7 +49,7 @@ class AdminEndpoints:
         try:
             config = await self.gw.reload()
         except ConfigError as exc:
-            raise GatewayHTTPError(
+            raise RequestRefused(
                 400, "Config rejected, fleet unchanged:\n" + str(exc), code="invalid_config"
             ) from exc
         return web.json_response({"status": "reloaded", "models": [m.name for m in config.models]})
@@ -61,10 +61,10 @@ class AdminEndpoints:
         timeout_s = self.gw.config.gateway.clients.body_timeout_s
         body = parse_json(await read_body(request, ADMIN_MAX_BODY, timeout_s) or b"{}")
         if not isinstance(body, dict):
-            raise GatewayHTTPError(400, "Request body must be a JSON object.", code="invalid_json")
+            raise RequestRefused(400, "Request body must be a JSON object.", code="invalid_json")
         drain = body.get("drain", True)
         if not isinstance(drain, bool):
-            raise GatewayHTTPError(400, "'drain' must be a boolean.", param="drain")
+            raise RequestRefused(400, "'drain' must be a boolean.", param="drain")
         target = body.get("backend")
         if target is None:
             self.gw.draining = drain
@@ -76,7 +76,7 @@ class AdminEndpoints:
             if target in (b.url, b.label) and (model is None or b.model == model)
         ]
         if not matched:
-            raise GatewayHTTPError(
+            raise RequestRefused(
                 404, f"No backend {target!r}.", param="backend", code="backend_not_found"
             )
         for backend in matched:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from common.errors import RequestRefused
 from gateway.config import ApiKey, AuthSettings
-from gateway.errors import GatewayHTTPError
 
 _BEARER = "bearer "
 
@@ -38,7 +38,7 @@ class Authenticator:
         token = _bearer(authorization)
         key = self._keys.get(_digest(token))
         if key is None:
-            raise GatewayHTTPError(401, "Incorrect API key provided.", code="invalid_api_key")
+            raise RequestRefused(401, "Incorrect API key provided.", code="invalid_api_key")
         return key
 
     def admin(self, authorization: str | None) -> None:
@@ -46,24 +46,24 @@ class Authenticator:
         if self._admin is None:
             if self.open_mode:
                 return
-            raise GatewayHTTPError(
+            raise RequestRefused(
                 403,
                 "Admin endpoints are disabled: set gateway.auth.admin_key_env to enable them.",
                 code="admin_disabled",
             )
         if not hmac.compare_digest(_digest(_bearer(authorization)), self._admin):
-            raise GatewayHTTPError(401, "Incorrect admin key provided.", code="invalid_api_key")
+            raise RequestRefused(401, "Incorrect admin key provided.", code="invalid_api_key")
 
 
 def _bearer(authorization: str | None) -> str:
     if not authorization:
-        raise GatewayHTTPError(
+        raise RequestRefused(
             401,
             "Missing API key: send it as 'Authorization: Bearer <key>'.",
             code="missing_api_key",
         )
     if authorization[:7].lower() != _BEARER or not authorization[7:].strip():
-        raise GatewayHTTPError(
+        raise RequestRefused(
             401, "Malformed Authorization header: expected 'Bearer <key>'.", code="invalid_api_key"
         )
     return authorization[7:].strip()

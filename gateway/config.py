@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from common.http_server import ClientLimits
-from engine.config import parse_size
+from common.sizes import parse_size
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

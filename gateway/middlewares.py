@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from common.errors import RequestRefused
-from gateway.errors import error_response, refusal_response
+from common.errors import RequestRefused, error_response, refusal_response
 from gateway.metrics import UNKNOWN_MODEL
 from gateway.request_keys import API_KEY, EXCHANGE, MODEL, REQUEST_ID
 

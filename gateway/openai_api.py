@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from common.errors import excerpt
+from common.errors import RequestRefused, excerpt
 from common.json_body import parse_json
 from common.request_body import read_body
 from gateway.auth import may_use
-from gateway.errors import GatewayHTTPError
 from gateway.proxy import Exchange
 from gateway.ratelimit import RateLimited
 from gateway.request_keys import API_KEY, EXCHANGE, MODEL, REQUEST_ID
@@ -29,10 +28,10 @@ def parse_request(body: bytes, chat: bool) -> dict[str, Any]:
     """Checks the fields the gateway relies on; the upstream validates the rest."""
     payload = parse_json(body)
     if not isinstance(payload, dict):
-        raise GatewayHTTPError(400, "Request body must be a JSON object.", code="invalid_json")
+        raise RequestRefused(400, "Request body must be a JSON object.", code="invalid_json")
     model = payload.get("model")
     if not isinstance(model, str) or not model:
-        raise GatewayHTTPError(
+        raise RequestRefused(
             400,
             "'model' is required and must be a non-empty string.",
             param="model",
@@ -45,14 +44,14 @@ def parse_request(body: bytes, chat: bool) -> dict[str, Any]:
             or not messages
             or not all(isinstance(m, dict) for m in messages)
         ):
-            raise GatewayHTTPError(
+            raise RequestRefused(
                 400,
                 "'messages' must be a non-empty list of objects.",
                 param="messages",
                 code="invalid_value",
             )
     elif not isinstance(payload.get("prompt"), (str, list)):
-        raise GatewayHTTPError(
+        raise RequestRefused(
             400,
             "'prompt' is required and must be a string or a list.",
             param="prompt",
@@ -60,12 +59,12 @@ def parse_request(body: bytes, chat: bool) -> dict[str, Any]:
         )
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
-        raise GatewayHTTPError(
+        raise RequestRefused(
             400, "'stream' must be a boolean.", param="stream", code="invalid_value"
         )
     options = payload.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise GatewayHTTPError(
+        raise RequestRefused(
             400, "'stream_options' must be an object.", param="stream_options", code="invalid_value"
         )
     return payload
@@ -159,7 +158,7 @@ class OpenAIEndpoints:
         key = request[API_KEY]
         route = gw.router.resolve(payload["model"])
         if route is None or not may_use(key, route.name):
-            raise GatewayHTTPError(
+            raise RequestRefused(
                 404,
                 f"The model '{excerpt(payload['model'])}' does not exist or you do not have "
                 "access to it.",
@@ -171,7 +170,7 @@ class OpenAIEndpoints:
         limits = route.config.limits
         if limits.max_concurrency is not None and route.inflight >= limits.max_concurrency:
             gw.metrics.rate_limited.labels(route.name, "concurrency").inc()
-            raise GatewayHTTPError(
+            raise RequestRefused(
                 429,
                 f"Too many concurrent requests for model '{route.name}'.",
                 code="rate_limit_exceeded",
@@ -190,7 +189,7 @@ class OpenAIEndpoints:
             admission = gw.limiter.admit(key_name, route.name, estimate)
         except RateLimited as limited:
             gw.metrics.rate_limited.labels(route.name, limited.limit).inc()
-            raise GatewayHTTPError(
+            raise RequestRefused(
                 429,
                 f"Rate limit reached ({limited.limit.replace('_', ' ')}); retry in "
                 f"{limited.retry_after_s:.2f}s.",

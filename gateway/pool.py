@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
-from engine.openmp_env import SPIN_WAIT_FLAG
+from common.engine_args import EngineArgs
 from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig, gpu_share
 from gateway.router import Backend
 
@@ -69,30 +69,19 @@ def die_with_gateway() -> list[str]:
 def engine_command(
     model: ModelConfig, port: int, launcher: tuple[str, ...] = ENGINE_LAUNCHER
 ) -> list[str]:
-    cmd = [
-        *launcher,
-        "--model",
-        model.source or "",
-        "--served-model-name",
-        model.name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(model.max_model_len),
-        "--max-num-seqs",
-        str(model.max_num_seqs),
-        "--device",
-        model.device,
-    ]
-    if model.kv_cache_memory is not None:
-        cmd += ["--kv-cache-memory", str(model.kv_cache_memory)]
-    if model.gpu_memory_fraction is not None:
-        cmd += ["--gpu-memory-fraction", str(model.gpu_memory_fraction)]
-    if model.spin_wait:
-        cmd.append(SPIN_WAIT_FLAG)
-    return cmd + list(model.engine_args)
+    args = EngineArgs(
+        model=model.source or "",
+        served_model_name=model.name,
+        port=port,
+        max_model_len=model.max_model_len,
+        max_num_seqs=model.max_num_seqs,
+        device=model.device,
+        kv_cache_memory=model.kv_cache_memory,
+        gpu_memory_fraction=model.gpu_memory_fraction,
+        spin_wait=model.spin_wait,
+        extra=model.engine_args,
+    )
+    return [*launcher, *args.argv()]
 
 
 def spec_of(model: ModelConfig) -> tuple[str, ...]:

@@ -27,8 +27,9 @@ from aiohttp import web
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from tenacity.wait import wait_random_exponential
 
+from common.errors import error_body
 from gateway.config import RetrySettings
-from gateway.errors import error_body, sse_error_event
+from gateway.errors import sse_error_event
 from gateway.health import HealthMonitor
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import Admission

@@ -9,9 +9,9 @@ from typing import Any
 
 from aiohttp import web
 
+from common.errors import error_body
 from common.http_server import GuardedRunner
 from gateway.app import GATEWAY_KEY
-from gateway.errors import error_body
 
 log = logging.getLogger("modelyard.gateway")
 
