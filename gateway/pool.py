@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from common.engine_args import EngineArgs
+from common.net import free_port
 from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig, gpu_share
 from gateway.router import Backend
 
@@ -89,12 +89,6 @@ def spec_of(model: ModelConfig) -> tuple[str, ...]:
     ``--spin-wait``, which follows the fleet's size (decided per start, see ``_supervise``): a
     replica count change must not replace the other replicas."""
     return tuple(engine_command(replace(model, spin_wait=False), 0, ()))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(eq=False)

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,13 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from common.net import free_port
+
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a plain script: make `scripts` importable
+
+from scripts.measure import percentile  # noqa: E402
+
 MOCK = REPO / "tests" / "gateway" / "mock_upstream.py"
 IDLE_SAMPLE_S = 2.0
 GOALS = {
@@ -43,12 +48,6 @@ GOALS = {
     "gateway_rps_c64": 1500,
     "first_chunk_overhead_ms": 1.0,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 60.0) -> None:
@@ -67,11 +66,6 @@ def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def raw_load(
@@ -124,14 +118,14 @@ def _summary(
     }
     if latencies:
         result.update(
-            p50_ms=round(percentile(latencies, 0.5) * 1000, 3),
-            p99_ms=round(percentile(latencies, 0.99) * 1000, 3),
+            p50_ms=round(percentile(latencies, 50) * 1000, 3),
+            p99_ms=round(percentile(latencies, 99) * 1000, 3),
             mean_ms=round(statistics.fmean(latencies) * 1000, 3),
         )
     if first_chunks:
         result.update(
-            first_chunk_p50_ms=round(percentile(first_chunks, 0.5) * 1000, 3),
-            first_chunk_p99_ms=round(percentile(first_chunks, 0.99) * 1000, 3),
+            first_chunk_p50_ms=round(percentile(first_chunks, 50) * 1000, 3),
+            first_chunk_p99_ms=round(percentile(first_chunks, 99) * 1000, 3),
         )
     return result
 

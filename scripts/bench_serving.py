@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,9 +35,13 @@ from pathlib import Path
 
 import aiohttp
 
+from common.net import free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a plain script: make `engine` importable
     sys.path.insert(0, str(REPO_ROOT))
+
+from scripts.measure import percentile  # noqa: E402
 
 _WORD_TEXT = (
     "the of and to in is was for on that with as by at from his her they this which be have "
@@ -92,15 +94,6 @@ def tagged(specs: list[RequestSpec], tag: str) -> list[RequestSpec]:
 
 
 # ---- statistics ------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low, high = math.floor(pos), math.ceil(pos)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def summary(values: list[float]) -> dict[str, float | None]:
@@ -296,12 +289,6 @@ async def run_rate(
 
 
 # ---- starting the engine ---------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class EngineServer:

@@ -31,6 +31,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.net import free_port  # noqa: E402
 from tests.fuzz_runner import (  # noqa: E402
     GATEWAY_ADMIN_ENV,
     GATEWAY_KEY_ENV,
@@ -41,7 +42,6 @@ from tests.fuzz_runner import (  # noqa: E402
     Runner,
     Settings,
     engine_command,
-    free_port,
     gateway_document,
 )
 from tests.fuzzing import engine_profile, gateway_profile  # noqa: E402

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from common.net import free_port
 from tests.fuzzing import Case, Profile, make_case, valid_probe
 
 ANSWER_CAP = 16 * 2**20  # an answer longer than this is cut (none should come near)
@@ -334,12 +335,6 @@ def rss_bytes(pid: int, field_name: str = "VmRSS") -> int:
             if line.startswith(field_name + ":"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ProcessServer:

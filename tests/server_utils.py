@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,11 @@ from pathlib import Path
 from aiohttp import web
 
 from common.http_server import ClientLimits
+from common.net import free_port
 from engine.async_engine import AsyncEngine
 from engine.server import EngineRunner, ServerSettings, create_app
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class InProcessServer:

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from common.net import free_port
 from gateway.app import Gateway, create_app
 from gateway.config import load_config
 from gateway.server import GatewayRunner
@@ -37,7 +38,6 @@ from tests.fuzz_runner import (
     Runner,
     Settings,
     engine_command,
-    free_port,
     gateway_document,
 )
 from tests.fuzzing import engine_profile, gateway_profile

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from common.net import free_port
 from dashboards.build_dashboards import DASHBOARDS
-from tests.gateway.conftest import free_port
 from tests.gateway.serve_process import ServeProcess, http_get
 
 ADMIN_KEY = "sk-admin-observability-test"

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,13 @@ import pytest
 import yaml
 from aiohttp import web
 
+from common.net import free_port
 from gateway.app import Gateway, create_app
 from gateway.config import load_config
 from gateway.server import GatewayRunner
 
 MOCK_SCRIPT = Path(__file__).with_name("mock_upstream.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _http_json(method: str, url: str, body: Any = None, timeout: float = 5.0) -> Any:

@@ -14,11 +14,11 @@ import pytest
 import yaml
 from aiohttp import web
 
+from common.net import free_port
 from gateway import pool as pool_module
 from gateway.app import Gateway, create_app
 from gateway.config import load_config
 from gateway.pool import engine_command
-from tests.gateway.conftest import free_port
 from tests.gateway.test_resilience import wait_for
 
 FAKE_ENGINE = (sys.executable, str(Path(__file__).with_name("fake_engine.py")))

@@ -12,7 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from tests.gateway.conftest import fleet, free_port
+from common.net import free_port
+from tests.gateway.conftest import fleet
 
 
 def sse_events(text: str) -> list[str]:

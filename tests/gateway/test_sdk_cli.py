@@ -16,7 +16,8 @@ import openai
 import pytest
 import yaml
 
-from tests.gateway.conftest import MockUpstream, fleet, free_port
+from common.net import free_port
+from tests.gateway.conftest import MockUpstream, fleet
 from tests.gateway.serve_process import REPO_ROOT, ServeProcess
 
 SECRET = "sk-sdk-test"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.conftest import free_port
+from common.net import free_port
 from tests.gateway.serve_process import FAKE_ENGINE, ServeProcess, http_get, running
 
 pytestmark = pytest.mark.skipif(
