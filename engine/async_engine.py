@@ -14,14 +14,15 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine.errors import EngineError
 from engine.metrics import EngineMetrics
+from engine.protocol import RequestLimits, longest_token_chars
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
 
@@ -36,6 +37,8 @@ class CoreLike(Protocol):
 
     tokenizer: Any
     max_model_len: int
+    max_n: int  # choices one request may ask for
+    vocab_size: int
 
     def add_request(
         self,
@@ -50,12 +53,20 @@ class CoreLike(Protocol):
     def stats(self) -> Any: ...
 
 
+# What a 503 that means "come back later" tells clients (the OpenAI SDKs, the gateway's retries)
+# to wait, in seconds: the queue moves every engine step, and a load or a drain ends within
+# seconds or sends the client to another replica; a short wait costs little either way.
+RETRY_AFTER_S = 1
+
+
 class ServiceUnavailableError(EngineError):
     """The engine cannot take this request now (loading, overloaded, shutting down, dead)."""
 
     status = 503
-    # Clients (the OpenAI SDKs, the gateway's retries) wait this long before trying again.
-    headers: ClassVar[Mapping[str, str]] = {"Retry-After": "1"}
+
+    def __init__(self, message: str, code: str, retry_after_s: int | None = RETRY_AFTER_S) -> None:
+        headers = {} if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+        super().__init__(message, code=code, headers=headers)
 
 
 class EngineDeadError(EngineError):
@@ -107,7 +118,7 @@ class AsyncEngine:
         self._prompt_tokenizer: Any = None
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-prompts")
         self.max_model_len = 0
-        self.longest_token_chars = 0  # of the vocabulary, for the prompt-size cap (see protocol)
+        self._limits: RequestLimits | None = None
         self.dead: BaseException | None = None
         self.accepting = True
         self.metrics = EngineMetrics(model_name, lambda: self._stats, lambda: self._pending_adds)
@@ -148,6 +159,12 @@ class AsyncEngine:
         return len(self._requests)
 
     @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for (known once the model is loaded: check_loaded first)."""
+        assert self._limits is not None, "model not loaded"
+        return self._limits
+
+    @property
     def num_waiting(self) -> int:
         waiting = self._stats.num_waiting if self._stats is not None else 0
         return waiting + self._pending_adds
@@ -185,19 +202,22 @@ class AsyncEngine:
     def check_loaded(self) -> None:
         """Raise a 503 unless the model (and its tokenizer) is loaded and the loop alive."""
         if self.dead is not None:
-            raise ServiceUnavailableError("engine loop is not running", code="engine_dead")
+            # No Retry-After: this process cannot recover; its supervisor starts a new one.
+            raise ServiceUnavailableError(
+                "engine loop is not running", code="engine_dead", retry_after_s=None
+            )
         if self.core is None:
             raise ServiceUnavailableError("model is still loading", code="not_ready")
 
     def check_accepting(self, choices: int = 1) -> None:
-        """Raise a 503 when a new generation of ``choices`` sequences cannot be taken now. The
-        bound counts waiting sequences (a request with n=8 takes 8 places); an empty queue takes
-        any request, so an n above the bound is slow to start, never refused forever."""
+        """Raise a 503 when a new generation of ``choices`` sequences cannot be taken now: the
+        bound counts waiting sequences, so a request with n=8 takes 8 places. (``limits.max_n``
+        keeps n within the bound, so every request fits once the queue drains.)"""
         self.check_loaded()
         if not self.accepting:
             raise ServiceUnavailableError("server is shutting down", code="shutting_down")
         waiting = self.num_waiting
-        if waiting and waiting + choices > self._max_queue:
+        if waiting + choices > self._max_queue:
             raise ServiceUnavailableError(
                 f"server overloaded: {waiting} sequences already waiting "
                 f"(max queue {self._max_queue}); retry later",
@@ -313,8 +333,13 @@ class AsyncEngine:
             core = self._core_factory()
             self.tokenizer = copy.deepcopy(core.tokenizer)
             self._prompt_tokenizer = copy.deepcopy(core.tokenizer)
-            self.longest_token_chars = max(map(len, core.tokenizer.get_vocab()), default=1)
             self.max_model_len = core.max_model_len
+            self._limits = RequestLimits(
+                max_model_len=core.max_model_len,
+                max_n=min(core.max_n, self._max_queue),
+                vocab_size=core.vocab_size,
+                longest_token_chars=longest_token_chars(core.tokenizer),
+            )
             self._stats = core.stats()
         except BaseException as error:  # report any load failure to the waiting main task
             self.dead = error

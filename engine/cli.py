@@ -27,7 +27,6 @@ class ServerOptions:
     shutdown_timeout: float
     log_level: str
     max_header_bytes: int = 8190
-    max_n: int = 128
     client_limits: ClientLimits = dataclasses.field(default_factory=ClientLimits)
 
 
@@ -41,13 +40,6 @@ class _Parser(argparse.ArgumentParser):
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
-        raise ValueError
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
         raise ValueError
     return value
 
@@ -82,7 +74,6 @@ def _size(text: str) -> int:
 
 # argparse names the type function in its "invalid <name> value" message.
 _positive_int.__name__ = "positive integer"
-_non_negative_int.__name__ = "non-negative integer"
 _port.__name__ = "port (0-65535)"
 _fraction.__name__ = "fraction in (0, 1]"
 _seconds.__name__ = "positive number of seconds"
@@ -141,8 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         (SPIN_WAIT_FLAG, {"action": "store_true"},
          "idle CPU threads spin ~0.1 ms before sleeping: faster when this engine has the cores to "
          "itself, slower when other processes share them (read by python -m engine at start)"),
-        ("--max-queue", {"type": _non_negative_int, "default": d["max_queue"], "metavar": "N"},
-         "waiting requests beyond which new ones get 503 (default %(default)s)"),
+        ("--max-queue", {"type": _positive_int, "default": d["max_queue"], "metavar": "N"},
+         "waiting sequences (n each request) beyond which new ones get 503 (default %(default)s)"),
+        ("--max-n", {"type": _positive_int, "default": d["max_n"], "metavar": "N"},
+         "most choices (n) one request may ask for, at most --max-queue; more gets 400 "
+         "(default %(default)s)"),
         ("--enable-prefix-caching", {"action": "store_true", "dest": "prefix_caching",
                                      "default": d["enable_prefix_caching"]},
          "reuse KV blocks of shared prompt prefixes (default on)"),
@@ -152,8 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
          "larger request bodies get 413 (default %(default)s)"),
         ("--max-header-bytes", {"type": _size, "default": 8190, "metavar": "SIZE"},
          "longer request lines or header fields get 431 (default %(default)s)"),
-        ("--max-n", {"type": _positive_int, "default": 128, "metavar": "N"},
-         "most choices (n) one request may ask for; more gets 400 (default %(default)s)"),
         ("--header-timeout", {"type": _seconds, "default": _CLIENTS.header_timeout_s,
                               "metavar": "S"},
          "complete a request head within this of its first byte, else 408 (default %(default)s)"),
@@ -205,6 +197,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptio
             seed=args.seed,
             num_threads=args.num_threads,
             max_queue=args.max_queue,
+            max_n=args.max_n,
         )
     except ValueError as error:
         parser.error(str(error))
@@ -217,7 +210,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptio
         args.shutdown_timeout,
         args.log_level,
         args.max_header_bytes,
-        args.max_n,
         ClientLimits(
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,

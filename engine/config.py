@@ -27,7 +27,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # CPU torch threads; None = physical cores available
-    max_queue: int = 1024  # waiting requests beyond which the server sheds load
+    max_queue: int = 1024  # waiting sequences beyond which the server sheds load
+    max_n: int = 128  # choices (n) one request may ask for: OpenAI's own limit
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -38,3 +39,5 @@ class EngineConfig:
             raise ValueError("block_size must be a positive power of two")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        if self.max_queue < 1 or self.max_n < 1:
+            raise ValueError("max_queue and max_n must be >= 1")

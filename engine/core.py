@@ -76,6 +76,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         model_limit = loaded.max_position_embeddings
         self.max_model_len = min(config.max_model_len, model_limit or config.max_model_len)
+        self.max_n = config.max_n
         self.runner = ModelRunner(config, loaded, self.max_model_len)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
@@ -130,6 +131,8 @@ class EngineCore:
                 f"token id {bad!r} is out of the vocabulary [0, {self.vocab_size})", param="prompt"
             )
         params.validate()
+        if params.n > self.max_n:
+            raise InvalidRequestError(f"n must be at most {self.max_n}", param="n")
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         if len(prompt) + max_tokens > self.max_model_len:
             if params.max_tokens is None:

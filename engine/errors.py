@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
 
 
 class EngineError(Exception):
@@ -11,13 +10,19 @@ class EngineError(Exception):
 
     status: int = 500
     error_type: str | None = None  # None: the status's OpenAI type (common/errors.py)
-    headers: ClassVar[Mapping[str, str]] = {}  # sent with the error answer
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,  # sent with the error answer
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.headers: Mapping[str, str] = headers or {}
 
 
 class InvalidRequestError(EngineError):

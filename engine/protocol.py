@@ -7,8 +7,10 @@ type is a 400 naming it, and a known field whose non-default value this engine c
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,27 +20,39 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import CompletionOutput, RequestOutput, TokenLogprob
 
 MAX_COMPLETION_LOGPROBS = 20
-# Token strings bound the characters a token can stand for, except where a normalizer folds
-# several characters into one (NFC composition, say); twice over leaves room for that.
-_NORMALIZER_SLACK = 2
+MAX_CHAT_TOP_LOGPROBS = 20
+_INT64 = 2**63  # integer fields hold 64-bit values, as in OpenAI's and vLLM's schemas
+# A token's string bounds the characters of text it stands for: a byte-level BPE token has one
+# character per byte it covers, a SentencePiece one its text (a space as "▁"), a byte-fallback one
+# "<0xAB>" for one byte, a special token its literal text. A normalizer can fold up to four
+# characters into one (NFC: "α" and three combining marks -> "ᾆ"), so a prompt of more than
+# max_model_len x longest token x 4 characters has more than max_model_len tokens and cannot fit.
+# (Only tokenizers that fold whole runs, e.g. collapsing whitespace or fusing unknown characters,
+# could fit more; LLM tokenizers do neither, and such a prompt would be mostly noise anyway.)
+_NORMALIZER_FOLD = 4
 _MISSING = object()
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The longest token string in the vocabulary (special and added tokens included)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What a request may ask of this engine, checked before any tokenising."""
+    """What a request may ask of this engine, checked before any templating or tokenising."""
 
     max_model_len: int
-    max_n: int
-    longest_token_chars: int  # the vocabulary's longest token string
+    max_n: int  # choices per request: --max-n, and never more than the queue bound holds
+    vocab_size: int  # the model's: token ids in prompts and stop_token_ids are below it
+    longest_token_chars: int
 
     @property
     def max_prompt_chars(self) -> int:
-        """A prompt longer than this cannot fit in max_model_len tokens, so it is refused
-        without paying for its template and tokenisation."""
-        return self.max_model_len * self.longest_token_chars * _NORMALIZER_SLACK
+        return self.max_model_len * self.longest_token_chars * _NORMALIZER_FOLD
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse a prompt that cannot fit without paying for its template and tokenisation."""
         if chars > self.max_prompt_chars:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens, and the "
@@ -51,70 +65,102 @@ class RequestLimits:
 
 @dataclass
 class GenerationRequest:
-    """A parsed /v1/chat/completions or /v1/completions body."""
+    """A parsed /v1/chat/completions or /v1/completions body. Its fields are checked; the prompt
+    (messages, text or token ids) becomes ``prompt_token_ids`` in ``encode_prompt``, the costly
+    part, which the server runs off the event loop."""
 
     kind: str  # "chat" | "completion"
     model: str | None
-    prompt_token_ids: list[int]
+    prompt: Any  # chat: the messages as sent; completion: text, or checked token ids
     params: SamplingParams
     stream: bool
     include_usage: bool
+    add_generation_prompt: bool = True
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 # ---- field access with type checks ---------------------------------------------------------
+
+_EXPECTED = {
+    "int": "an integer",
+    "number": "a number",
+    "bool": "a boolean",
+    "str": "a string",
+    "dict": "an object",
+    "list": "an array",
+}
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
 
 
 def _bad(param: str, problem: str) -> InvalidRequestError:
     return InvalidRequestError(f"'{param}' {problem}", param=param)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return _is_int(value)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, {"bool": bool, "str": str, "dict": dict, "list": list}[kind])
+
+
 def get_field(body: dict, name: str, kind: str, default: Any = None) -> Any:
-    """Return body[name] checked against ``kind``; None and absent give ``default``."""
+    """Return body[name] checked against ``kind``; None and absent give ``default``. Integers
+    must fit in 64 bits and numbers be finite (JSON parsers accept NaN, Infinity, 1e999)."""
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         return default
-    is_bool = isinstance(value, bool)
-    ok = {
-        "int": isinstance(value, int) and not is_bool,
-        "number": isinstance(value, (int, float)) and not is_bool,
-        "bool": is_bool,
-        "str": isinstance(value, str),
-        "dict": isinstance(value, dict),
-        "list": isinstance(value, list),
-    }[kind]
-    if not ok:
-        expected = {
-            "int": "an integer",
-            "number": "a number",
-            "bool": "a boolean",
-            "str": "a string",
-            "dict": "an object",
-            "list": "an array",
-        }[kind]
-        raise _bad(name, f"must be {expected}, got {type(value).__name__}")
-    return float(value) if kind == "number" else value
+    if not _is_kind(value, kind):
+        got = _JSON_TYPES.get(type(value), "object")
+        raise _bad(name, f"must be {_EXPECTED[kind]}, got {got}")
+    if kind == "int" and not -_INT64 <= value < _INT64:
+        raise _bad(name, "must be a 64-bit integer")
+    if kind == "number":
+        return _finite(name, value)
+    return value
+
+
+def _finite(name: str, value: float) -> float:
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise _bad(name, "must be a finite number")
+    return number
 
 
 def _get_stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise _bad("stop", "must be a string or an array of strings")
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop", "must be a string or an array of strings")
+    return stops
 
 
-def get_int_list(body: dict, name: str) -> list[int]:
+def check_token_ids(ids: list[int], param: str, vocab_size: int) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _bad(
+            param, f"holds token id {excerpt(str(bad))}, outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def get_token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
+    """body[name] as a list of token ids below ``vocab_size``; absent or None give []."""
     value = body.get(name)
     if value is None:
         return []
-    if isinstance(value, list) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        return value
-    raise _bad(name, "must be an array of integers")
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise _bad(name, "must be an array of integers")
+    check_token_ids(value, name, vocab_size)
+    return value
 
 
 def _reject_unsupported(body: dict) -> None:
@@ -141,36 +187,50 @@ def _reject_unsupported(body: dict) -> None:
 
 def _choices(body: dict, max_n: int) -> int:
     n = get_field(body, "n", "int", 1)
-    if n > max_n:
-        raise _bad("n", f"must be at most {max_n} (this engine's limit), got {n}")
+    if not 1 <= n <= max_n:
+        raise _bad("n", f"must be between 1 and {max_n} (this engine's limit), got {n}")
     return n
 
 
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
+    """The first of ``names`` that is set (chat: max_completion_tokens, then max_tokens)."""
+    for name in names:
+        value = get_field(body, name, "int")
+        if value is not None:
+            if value < 1:
+                raise _bad(name, f"must be >= 1, got {value}")
+            return value
+    return default
+
+
 def _sampling_params(
-    body: dict, max_tokens: int | None, logprobs: int | None, max_n: int
+    body: dict, max_tokens: int | None, logprobs: int | None, limits: RequestLimits
 ) -> SamplingParams:
-    temperature = get_field(body, "temperature", "number", 1.0)
-    top_k = get_field(body, "top_k", "int", 0)
     return SamplingParams(
-        n=_choices(body, max_n),
+        n=_choices(body, limits.max_n),
         max_tokens=max_tokens,
-        temperature=temperature,
+        temperature=get_field(body, "temperature", "number", 1.0),
         top_p=get_field(body, "top_p", "number", 1.0),
-        top_k=top_k,
+        top_k=get_field(body, "top_k", "int", 0),
         min_p=get_field(body, "min_p", "number", 0.0),
         seed=get_field(body, "seed", "int"),
         presence_penalty=get_field(body, "presence_penalty", "number", 0.0),
         frequency_penalty=get_field(body, "frequency_penalty", "number", 0.0),
         repetition_penalty=get_field(body, "repetition_penalty", "number", 1.0),
         stop=_get_stop(body),
-        stop_token_ids=get_int_list(body, "stop_token_ids"),
+        # Deduplicated: the core checks every sampled token against this list.
+        stop_token_ids=list(
+            dict.fromkeys(get_token_ids(body, "stop_token_ids", limits.vocab_size))
+        ),
         ignore_eos=get_field(body, "ignore_eos", "bool", False),
         logprobs=logprobs,
         include_stop_str_in_output=get_field(body, "include_stop_str_in_output", "bool", False),
     )
 
 
-def _check_length(num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
+def _check_length(
+    num_prompt: int, max_tokens: int | None, max_model_len: int, prompt_param: str
+) -> None:
     requested = num_prompt + (max_tokens or 0)
     if num_prompt >= max_model_len or requested > max_model_len:
         completion = f"{max_tokens} in the completion" if max_tokens else "none left to generate"
@@ -178,12 +238,12 @@ def _check_length(num_prompt: int, max_tokens: int | None, max_model_len: int) -
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {requested} tokens ({num_prompt} in the prompt, {completion}). Please "
             "reduce the length of the prompt or of max_tokens.",
-            param="max_tokens" if max_tokens and num_prompt < max_model_len else "messages",
+            param="max_tokens" if max_tokens and num_prompt < max_model_len else prompt_param,
             code="context_length_exceeded",
         )
 
 
-def _common(body: dict) -> tuple[str | None, bool, bool]:
+def _common(body: Any) -> tuple[str | None, bool, bool]:
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     model = get_field(body, "model", "str")
@@ -193,6 +253,31 @@ def _common(body: dict) -> tuple[str | None, bool, bool]:
     get_field(body, "user", "str")  # accepted, type-checked, unused
     _reject_unsupported(body)
     return model, stream, include_usage
+
+
+def _encode(tokenizer: Any, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    try:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    except Exception as error:  # the tokenizer refusing some content: the client's text
+        raise _bad(param, f"cannot be tokenised: {excerpt(str(error))}") from error
+
+
+def encode_prompt(request: GenerationRequest, tokenizer: Any, limits: RequestLimits) -> list[int]:
+    """The prompt's token ids, length-checked: the chat template and tokenising, which take
+    seconds for a long prompt (run it off the event loop, with a tokenizer of its own thread)."""
+    if request.kind == "chat":
+        param = "messages"
+        messages = parse_messages(request.prompt)
+        limits.check_prompt_chars(sum(len(m["content"]) for m in messages), param)
+        ids = apply_chat_template(tokenizer, messages, request.add_generation_prompt)
+    else:
+        param = "prompt"
+        prompt = request.prompt
+        ids = _encode(tokenizer, prompt, param) if isinstance(prompt, str) else prompt
+    if not ids:
+        raise _bad(param, "must not be empty")
+    _check_length(len(ids), request.params.max_tokens, limits.max_model_len, param)
+    return ids
 
 
 # ---- chat ----------------------------------------------------------------------------------
@@ -219,8 +304,8 @@ def _message_text(index: int, content: Any) -> str:
     raise _bad(f"messages[{index}].content", "must be a string or an array of text parts")
 
 
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    raw = body.get("messages")
+def parse_messages(raw: Any) -> list[dict[str, str]]:
+    """A request's ``messages`` as the chat template takes them."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages", "must be a non-empty array of messages")
     messages = []
@@ -249,69 +334,101 @@ def apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as error:  # jinja raises for conversations the template forbids
-        raise InvalidRequestError(f"chat template error: {error}", param="messages") from error
+        raise InvalidRequestError(
+            f"chat template error: {excerpt(str(error))}", param="messages"
+        ) from error
     # The template already writes any BOS/special tokens it wants.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return _encode(tokenizer, text, "messages", add_special_tokens=False)
 
 
-def parse_chat_request(body: Any, tokenizer: Any, limits: RequestLimits) -> GenerationRequest:
+def _chat_logprobs(body: dict) -> int | None:
+    top = get_field(body, "top_logprobs", "int")
+    if not get_field(body, "logprobs", "bool", False):
+        if top is not None:
+            raise _bad("top_logprobs", "requires logprobs: true")
+        return None
+    if top is not None and not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+        raise _bad("top_logprobs", f"must be between 0 and {MAX_CHAT_TOP_LOGPROBS}")
+    return top or 0
+
+
+def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
+    """The body's fields, checked (cheap: for the event loop); the messages are checked with the
+    template work in encode_prompt."""
     model, stream, include_usage = _common(body)
-    messages = parse_messages(body)
-    limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-    max_tokens = get_field(body, "max_completion_tokens", "int")
-    if max_tokens is None:
-        max_tokens = get_field(body, "max_tokens", "int")
-    logprobs = None
-    if get_field(body, "logprobs", "bool", False):
-        logprobs = get_field(body, "top_logprobs", "int", 0)
-    elif get_field(body, "top_logprobs", "int") is not None:
-        raise InvalidRequestError("top_logprobs requires logprobs: true", param="top_logprobs")
-    params = _sampling_params(body, max_tokens, logprobs, limits.max_n)
-    add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
-    prompt_ids = apply_chat_template(tokenizer, messages, add_generation_prompt)
-    _check_length(len(prompt_ids), max_tokens, limits.max_model_len)
-    return GenerationRequest("chat", model, prompt_ids, params, stream, include_usage)
+    if not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise _bad("messages", "must be a non-empty array of messages")
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
+    params = _sampling_params(body, max_tokens, _chat_logprobs(body), limits)
+    return GenerationRequest(
+        "chat",
+        model,
+        body["messages"],
+        params,
+        stream,
+        include_usage,
+        add_generation_prompt=get_field(body, "add_generation_prompt", "bool", True),
+    )
 
 
 # ---- completions ---------------------------------------------------------------------------
 
 
-def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    )
-
-
-def completion_prompt_ids(prompt: Any, tokenizer: Any, limits: RequestLimits) -> list[int]:
-    """A string, a token-id list, or a one-element list of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and not _is_token_list(prompt):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        limits.check_prompt_chars(len(prompt), "prompt")
-        ids = list(tokenizer(prompt)["input_ids"])
-    elif _is_token_list(prompt):
-        ids = list(prompt)
-    elif isinstance(prompt, list):
+def _completion_prompt(prompt: Any, max_tokens: int | None, limits: RequestLimits) -> Any:
+    """A non-empty string or token-id list, or a one-element list of either. Text is only
+    measured here; token ids are checked in full (cheap: there are fewer than max_model_len)."""
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
         raise _bad("prompt", "batches of several prompts are not supported; send one per request")
-    else:
-        raise _bad("prompt", "must be a string or an array of token ids")
-    if not ids:
-        raise _bad("prompt", "must not be empty")
-    return ids
+    if isinstance(prompt, list) and len(prompt) == 1 and not _is_int(prompt[0]):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        limits.check_prompt_chars(len(prompt), "prompt")
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise _bad("prompt", "must be a non-empty string or array of token ids")
+    _check_length(len(prompt), max_tokens, limits.max_model_len, "prompt")  # before the scan
+    if not all(_is_int(t) for t in prompt):
+        raise _bad("prompt", "must be a string or an array of token ids (integers)")
+    check_token_ids(prompt, "prompt", limits.vocab_size)
+    return prompt
 
 
-def parse_completion_request(body: Any, tokenizer: Any, limits: RequestLimits) -> GenerationRequest:
+def parse_completion_request(body: Any, limits: RequestLimits) -> GenerationRequest:
+    """The body's fields, checked (cheap: for the event loop); a text prompt is tokenised in
+    encode_prompt."""
     model, stream, include_usage = _common(body)
     if "prompt" not in body:
         raise _bad("prompt", "is required")
-    max_tokens = get_field(body, "max_tokens", "int", 16)  # OpenAI's default for completions
+    max_tokens = _max_tokens(body, ("max_tokens",), 16)  # OpenAI's default for completions
     logprobs = get_field(body, "logprobs", "int")
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise _bad("logprobs", f"must be between 0 and {MAX_COMPLETION_LOGPROBS}")
-    params = _sampling_params(body, max_tokens, logprobs, limits.max_n)
-    prompt_ids = completion_prompt_ids(body["prompt"], tokenizer, limits)  # the costly part last
-    _check_length(len(prompt_ids), max_tokens, limits.max_model_len)
-    return GenerationRequest("completion", model, prompt_ids, params, stream, include_usage)
+    params = _sampling_params(body, max_tokens, logprobs, limits)
+    prompt = _completion_prompt(body["prompt"], max_tokens, limits)
+    return GenerationRequest("completion", model, prompt, params, stream, include_usage)
+
+
+# ---- /tokenize -----------------------------------------------------------------------------
+
+
+def parse_tokenize_request(body: dict, limits: RequestLimits) -> Callable[[Any], list[int]]:
+    """/tokenize's fields, checked; returns the tokenising (of messages or text) to run off the
+    event loop, given that thread's tokenizer."""
+    if "messages" in body:
+        add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
+
+        def chat(tokenizer: Any) -> list[int]:
+            messages = parse_messages(body["messages"])
+            limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+            return apply_chat_template(tokenizer, messages, add_generation_prompt)
+
+        return chat
+    prompt = get_field(body, "prompt", "str")
+    if prompt is None:
+        raise _bad("prompt", "(a string) or 'messages' is required")
+    limits.check_prompt_chars(len(prompt), "prompt")
+    special = get_field(body, "add_special_tokens", "bool", True)
+    return lambda tokenizer: _encode(tokenizer, prompt, "prompt", special)
 
 
 # ---- responses -----------------------------------------------------------------------------

@@ -44,7 +44,6 @@ class ServerSettings:
     # Request line and each header field; aiohttp's default, ample for an API (the gateway
     # forwards only a few short headers). Longer gets a JSON 431 from EngineRunner.
     max_header_bytes: int = 8190
-    max_n: int = 128  # choices per request, as OpenAI's API allows
     client_limits: ClientLimits = field(default_factory=ClientLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -89,6 +88,8 @@ def _served_name(request: web.Request, body: Any) -> str:
     model = body.get("model") if isinstance(body, dict) else None
     if model is None:
         return names[0]
+    if not isinstance(model, str):
+        raise InvalidRequestError("'model' must be a string", param="model")
     if model not in names:
         raise ModelNotFoundError(
             f"The model {excerpt(repr(model))} does not exist.",
@@ -118,11 +119,11 @@ async def _generate(request: web.Request, parse: Any) -> web.StreamResponse:
     body = await _read_json(request)
     model = _served_name(request, body)
     engine.check_accepting()  # before any parsing work
-    limits = protocol.RequestLimits(
-        engine.max_model_len, request.app[SETTINGS_KEY].max_n, engine.longest_token_chars
-    )
-    parsed: protocol.GenerationRequest = await engine.on_prompt_thread(
-        lambda tokenizer: parse(body, tokenizer, limits)
+    limits = engine.limits
+    parsed: protocol.GenerationRequest = parse(body, limits)  # the cheap checks, n's bound too
+    engine.check_accepting(parsed.params.n)  # before the costly part
+    parsed.prompt_token_ids = await engine.on_prompt_thread(
+        lambda tokenizer: protocol.encode_prompt(parsed, tokenizer, limits)
     )
     request_id = protocol.new_request_id(parsed.kind)
     builder = protocol.ResponseBuilder(parsed, request_id, model, engine.tokenizer)
@@ -227,21 +228,9 @@ async def _tokenizer_body(request: web.Request) -> tuple[AsyncEngine, dict[str, 
     return engine, body
 
 
-def _tokens_of(body: dict[str, Any], tokenizer: Any) -> list[int]:
-    if "messages" in body:
-        add_generation_prompt = protocol.get_field(body, "add_generation_prompt", "bool", True)
-        messages = protocol.parse_messages(body)
-        return protocol.apply_chat_template(tokenizer, messages, add_generation_prompt)
-    prompt = protocol.get_field(body, "prompt", "str")
-    if prompt is None:
-        raise InvalidRequestError("'prompt' (a string) or 'messages' is required", "prompt")
-    special = protocol.get_field(body, "add_special_tokens", "bool", True)
-    return list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
-
-
 async def tokenize(request: web.Request) -> web.Response:
     engine, body = await _tokenizer_body(request)
-    tokens = await engine.on_prompt_thread(lambda tokenizer: _tokens_of(body, tokenizer))
+    tokens = await engine.on_prompt_thread(protocol.parse_tokenize_request(body, engine.limits))
     return web.json_response(
         {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
     )
@@ -249,11 +238,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     engine, body = await _tokenizer_body(request)
-    tokens = protocol.get_int_list(body, "tokens")
-    vocab = len(engine.tokenizer)
-    bad = next((t for t in tokens if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", "tokens")
+    tokens = protocol.get_token_ids(body, "tokens", len(engine.tokenizer))
     text = await engine.on_prompt_thread(lambda tokenizer: tokenizer.decode(tokens))
     return web.json_response({"prompt": text}, dumps=_dumps)
 
@@ -331,7 +316,6 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
         config.served_model_names,
         options.max_body_bytes,
         max_header_bytes=options.max_header_bytes,
-        max_n=options.max_n,
         client_limits=options.client_limits,
     )
     app = create_app(engine, settings)

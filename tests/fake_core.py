@@ -1,5 +1,6 @@
 """A tiny stand-in for EngineCore that follows the engine contract, for HTTP-behaviour tests only
-(error shapes, load shedding, readiness): it "generates" the prompt's tokens back, one per step."""
+(error shapes, load shedding, readiness): it "generates" the prompt's tokens back, one per step,
+the same in each of a request's n choices."""
 
 from __future__ import annotations
 
@@ -43,11 +44,14 @@ class FakeCore:
         step_delay: float = 0.0,
         load_gate: threading.Event | None = None,
         fail_on_step: int | None = None,
+        max_n: int = 128,
     ) -> None:
         if load_gate is not None:  # lets a test hold the "model load" open
             load_gate.wait(10)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.max_n = max_n
+        self.vocab_size = len(tokenizer)
         self._max_num_seqs = max_num_seqs
         self._step_delay = step_delay
         self._fail_on_step = fail_on_step
@@ -63,8 +67,10 @@ class FakeCore:
             raise InvalidRequestError("prompt is empty", param="prompt")
         if request_id in self._ids:
             raise InvalidRequestError(f"duplicate request id {request_id}")
-        if any(t >= len(self.tokenizer) for t in prompt_token_ids):
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise InvalidRequestError("token id out of vocabulary", param="prompt")
+        if params.n > self.max_n:
+            raise InvalidRequestError(f"n must be at most {self.max_n}", param="n")
         self._ids.add(request_id)
         self._waiting.append(_Req(request_id, list(prompt_token_ids), params))
 
@@ -88,22 +94,16 @@ class FakeCore:
         for req in list(self._running):
             token = req.prompt[req.generated % len(req.prompt)]
             req.generated += 1
-            self._generation_tokens += 1
+            self._generation_tokens += req.params.n
             done = req.generated >= (req.params.max_tokens or 8)
             if done:
                 self._running.remove(req)
+            text = self.tokenizer.decode([token])
+            reason = "length" if done else None
             outputs.append(
                 RequestOutput(
                     req.request_id,
-                    [
-                        CompletionOutput(
-                            0,
-                            [token],
-                            self.tokenizer.decode([token]),
-                            None,
-                            "length" if done else None,
-                        )
-                    ],
+                    [CompletionOutput(i, [token], text, None, reason) for i in range(req.params.n)],
                     done,
                     len(req.prompt),
                     queue_time_s=0.0 if req.generated == 1 else None,

@@ -353,6 +353,25 @@ def test_abort_frees_blocks_at_once(core: EngineCore) -> None:
     core.abort("never-existed")
 
 
+def test_n_above_max_n_is_refused(core: EngineCore) -> None:
+    with pytest.raises(InvalidRequestError, match="n must be at most 128") as refused:
+        core.add_request("n-big", PROMPT, greedy(n=129))
+    assert refused.value.param == "n" and not core.has_unfinished()
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2])  # siblings waiting for the fork, forked, decoding
+def test_abort_ends_every_choice_of_a_request(core: EngineCore, steps: int) -> None:
+    free_before = core.block_manager.num_free_blocks
+    core.add_request("n8", PROMPT, greedy(n=8, max_tokens=20))
+    assert core.stats().num_waiting == 8
+    for _ in range(steps):
+        core.step()
+    core.abort("n8")
+    stats = core.stats()
+    assert stats.num_running == stats.num_waiting == 0 and not core.has_unfinished()
+    assert core.block_manager.num_free_blocks == free_before
+
+
 def test_stats_count_tokens(core: EngineCore) -> None:
     before = core.stats()
     run(core, "s1", PROMPT, greedy(max_tokens=5))
