@@ -1,6 +1,7 @@
 """The command line of ``python -m engine`` as the gateway uses it: the contract between the two
-processes. engine/cli.py defines these flags; tests/test_engine_args.py builds a command here and
-parses it with the engine's own parser, so a renamed flag fails a test, not a rollout."""
+processes. engine/serving/cli.py defines these flags; tests/common/test_engine_args.py builds a
+command here and parses it with the engine's own parser, so a renamed flag fails a test, not a
+rollout."""
 
 from __future__ import annotations
 

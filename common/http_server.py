@@ -360,6 +360,9 @@ class GuardedRunner(web.AppRunner):
             # read_body decodes under the size limit; aiohttp would inflate first.
             "auto_decompress": False,
             "keepalive_timeout": self._limits.idle_timeout_s,
+            # A body the app did not read (refused early, or cut off at its deadline) is read and
+            # dropped for this long before the connection closes, as for a refused connection.
+            "lingering_time": _REFUSAL_LINGER_S,
         }
         return _GuardedServer(
             _expect_checked(server.request_handler, guard, self._max_body_bytes),

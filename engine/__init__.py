@@ -4,11 +4,11 @@
 def __getattr__(name: str) -> object:
     """``engine.LLM`` and ``engine.SamplingParams``, imported lazily (torch is heavy)."""
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.core.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from engine.sampling_params import SamplingParams
+        from engine.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -3,10 +3,10 @@
 import os
 import sys
 
-from engine.openmp_env import configure
+from engine.model.cpu.openmp_env import configure
 
-configure(sys.argv[1:], os.environ)  # before torch loads (see engine.openmp_env)
+configure(sys.argv[1:], os.environ)  # before torch loads (see engine.model.cpu.openmp_env)
 
-from engine.cli import main  # noqa: E402
+from engine.serving.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -1,239 +1,37 @@
-"""The gateway: state shared by the handlers, config (re)loading, and the aiohttp application."""
+"""The aiohttp application: the composition root that puts the gateway's state, its middlewares
+and its handlers together. Every endpoint the gateway serves is listed here."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import os
-import time
-from collections.abc import Callable
-from pathlib import Path
-
-import aiohttp
 from aiohttp import web
 
-from gateway.access_log import AccessLog
-from gateway.admin import AdminEndpoints
-from gateway.auth import Authenticator
-from gateway.config import ConfigError, FleetConfig, load_config
-from gateway.health import HealthMonitor
-from gateway.metrics import GatewayMetrics
-from gateway.middlewares import make_auth_middleware, make_context_middleware
-from gateway.openai_api import CHAT_PATH, COMPLETIONS_PATH, OpenAIEndpoints
-from gateway.pool import ENGINE_LAUNCHER, EnginePool
-from gateway.proxy import Proxy
-from gateway.ratelimit import RateLimiter
-from gateway.router import Router
+from gateway import admin, openai_api, probes
+from gateway.middlewares import auth, context
+from gateway.state import GATEWAY_KEY, Gateway
 
-log = logging.getLogger("modelyard.gateway")
-
-CONFIG_POLL_S = 1.0
-GATEWAY_KEY = web.AppKey("gateway", "Gateway")
-
-
-class Gateway:
-    """Everything one gateway process knows. Built from a validated config; ``reload`` swaps in a
-    new one only if it validates, so a bad edit leaves the running fleet as it was."""
-
-    def __init__(
-        self,
-        config: FleetConfig,
-        config_path: str | None = None,
-        *,
-        spawn_engines: bool = True,
-        engine_cwd: str | None = None,
-        engine_launcher: tuple[str, ...] = ENGINE_LAUNCHER,
-    ) -> None:
-        self.config = config
-        self.spawn_engines = spawn_engines  # start engine processes for local (source) models
-        self.engine_cwd = engine_cwd
-        self.engine_launcher = engine_launcher  # the command before the engine's flags
-        self.config_path = config_path
-        self.started_at = int(time.time())
-        self.router = Router()
-        self.metrics = GatewayMetrics()
-        self.limiter = RateLimiter()
-        self.auth = Authenticator(config.gateway.auth)
-        self.draining = False
-        # Listeners for config changes (the engine pool subscribes here).
-        self.on_config: list[Callable[[FleetConfig], object]] = []
-        self.session: aiohttp.ClientSession | None = None
-        self.pool: EnginePool | None = None
-        self.access_log = AccessLog()  # stdout
-        self.health: HealthMonitor
-        self.proxy: Proxy
-        self._reload_lock = asyncio.Lock()
-        self._watch_task: asyncio.Task[None] | None = None
-        self._config_stamp = _stamp(config_path)
-        self.router.apply(config)
-        self.limiter.configure(config)
-        for model in config.models:
-            self.metrics.declare_model(model.name)
-
-    async def start(self) -> None:
-        # Idle upstream connections close after 4 s, before common servers' own 5 s keep-alive
-        # limit (uvicorn), so the gateway never reuses a connection the upstream is closing.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
-        # No Accept-Encoding: upstreams answer uncompressed, so bytes pass through unchanged.
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            skip_auto_headers=("Accept-Encoding", "User-Agent"),
-            timeout=aiohttp.ClientTimeout(total=None),
-        )
-        gw = self.config.gateway
-        self.health = HealthMonitor(self.router, self.metrics, self.session, gw.health, gw.ejection)
-        self.proxy = Proxy(self.session, self.health, self.metrics, gw.retries)
-        self.health.sync()
-        if self.spawn_engines:
-            # In the background: the gateway answers (503 for models still loading) meanwhile.
-            self.pool = EnginePool(
-                self.set_backends,
-                self.router.find,
-                cwd=self.engine_cwd,
-                launcher=self.engine_launcher,
-            )
-            self.on_config.append(self.pool.apply_soon)
-            self.pool.apply_soon(self.config)
-        if self.config_path and gw.watch_config:
-            self._watch_task = asyncio.create_task(self._watch_config())
-        if self.auth.open_mode:
-            log.warning(
-                "no API keys configured: open mode, serving loopback clients without authentication"
-            )
-
-    async def stop(self) -> None:
-        if self._watch_task:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
-        self.access_log.flush()
-        if self.pool is not None:
-            await self.pool.stop()
-        await self.health.close()
-        if self.session:
-            await self.session.close()
-
-    def set_backends(self, model: str, urls: list[str]) -> None:
-        """For the engine pool: the URLs now serving a local model."""
-        _, removed = self.router.set_backends(model, urls)
-        self.health.sync(removed)
-
-    async def reload(self) -> FleetConfig:
-        """Reloads models.yaml; raises ConfigError (and changes nothing) if it is invalid."""
-        if not self.config_path:
-            raise ConfigError(["no config file to reload (the gateway was started from a dict)"])
-        async with self._reload_lock:
-            self._config_stamp = _stamp(self.config_path)
-            try:
-                config = await asyncio.to_thread(load_config, self.config_path)
-            except ConfigError:
-                self.metrics.config_reloads.labels("rejected").inc()
-                raise
-            self.apply(config)
-            self.metrics.config_reloads.labels("applied").inc()
-            return config
-
-    async def reload_logged(self, why: str) -> None:
-        try:
-            config = await self.reload()
-        except ConfigError as exc:
-            log.error("config reload (%s) rejected, fleet unchanged:\n%s", why, exc)
-            return
-        log.info("config reloaded (%s): %d models", why, len(config.models))
-
-    def apply(self, config: FleetConfig) -> None:
-        old = self.config.gateway
-        new = config.gateway
-        if (old.host, old.port) != (new.host, new.port):
-            log.warning("listen address changes take effect after a restart")
-        if (old.max_header_bytes, old.clients) != (new.max_header_bytes, new.clients):
-            log.warning(
-                "header size limits and client connection limits change after a restart; the "
-                "body limit and body_timeout_s apply now"
-            )
-        removed = self.router.apply(config)
-        for model in config.models:
-            self.metrics.declare_model(model.name)
-        self.health.configure(new.health, new.ejection)
-        self.health.sync(removed)
-        self.limiter.configure(config)
-        self.auth = Authenticator(new.auth)
-        if new.retries != old.retries:
-            self.proxy.configure(new.retries)
-        self.config = config
-        for listener in self.on_config:
-            listener(config)
-
-    async def _watch_config(self) -> None:
-        """Polls the file's mtime and size: cheap, portable, and no extra dependency. Reloads once
-        a change has held for a whole poll interval, so a file an editor writes in pieces is read
-        once, complete, rather than half-written (and refused)."""
-        settling: tuple[int, int] | None = None  # a changed stamp, not yet seen twice in a row
-        while True:
-            await asyncio.sleep(CONFIG_POLL_S)
-            stamp = _stamp(self.config_path)
-            if stamp is None or stamp == self._config_stamp:
-                settling = None
-            elif stamp != settling:
-                settling = stamp
-            else:
-                settling = None
-                await self.reload_logged("file changed")
-
-    def ready(self) -> tuple[bool, dict[str, bool]]:
-        models = {
-            name: any(b.available for b in route.backends)
-            for name, route in self.router.routes.items()
-        }
-        return (not self.draining and any(models.values())), models
-
-
-def _stamp(path: str | None) -> tuple[int, int] | None:
-    if not path:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+__all__ = ["GATEWAY_KEY", "Gateway", "create_app"]
 
 
 def create_app(gateway: Gateway) -> web.Application:
     gw = gateway.config.gateway
     app = web.Application(
-        middlewares=[make_context_middleware(gateway), make_auth_middleware(gateway)],
+        middlewares=[context, auth],
         # The configured limit is enforced by read_body (and follows reloads); this one only
         # stops aiohttp from refusing first with its own plain-text answer.
         client_max_size=1 << 40,
         handler_args={"max_field_size": gw.max_header_bytes, "max_line_size": gw.max_header_bytes},
     )
     app[GATEWAY_KEY] = gateway
-    api = OpenAIEndpoints(gateway)
-    admin = AdminEndpoints(gateway)
-
-    async def ready(request: web.Request) -> web.Response:
-        ok, models = gateway.ready()
-        return web.json_response(
-            {"ready": ok, "draining": gateway.draining, "models": models}, status=200 if ok else 503
-        )
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(
-            body=gateway.metrics.render(), headers={"Content-Type": gateway.metrics.content_type}
-        )
-
-    app.router.add_post(CHAT_PATH, api.chat)
-    app.router.add_post(COMPLETIONS_PATH, api.completions)
-    app.router.add_get("/v1/models", api.models)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
-    admin.register(app.router)
+    app.router.add_post(openai_api.CHAT_PATH, openai_api.chat_completions)
+    app.router.add_post(openai_api.COMPLETIONS_PATH, openai_api.completions)
+    app.router.add_get("/v1/models", openai_api.list_models)
+    app.router.add_get("/health", probes.health)
+    app.router.add_get("/ready", probes.ready)
+    app.router.add_get("/metrics", probes.metrics)
+    app.router.add_get("/admin/backends", admin.backends)
+    app.router.add_post("/admin/reload", admin.reload)
+    app.router.add_post("/admin/drain", admin.drain)
+    app.router.add_get("/admin/prometheus/targets", admin.prometheus_targets)
 
     async def lifecycle(app: web.Application):
         await gateway.start()
@@ -242,10 +40,3 @@ def create_app(gateway: Gateway) -> web.Application:
 
     app.cleanup_ctx.append(lifecycle)
     return app
-
-
-def build(config_path: str | Path) -> tuple[Gateway, web.Application]:
-    """Loads a models.yaml and builds the app around it (raises ConfigError)."""
-    config = load_config(config_path)
-    gateway = Gateway(config, str(config_path))
-    return gateway, create_app(gateway)

@@ -11,10 +11,11 @@ import sys
 
 from aiohttp import web
 
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
 from gateway.config import ConfigError, load_config, with_listen
 from gateway.pool import ENGINE_LAUNCHER
 from gateway.server import GatewayRunner
+from gateway.state import Gateway
 
 log = logging.getLogger("modelyard.gateway")
 

@@ -21,27 +21,28 @@ import logging
 import math
 import random
 import time
+from collections.abc import Iterable
 
 import aiohttp
 
+from gateway.backend import Backend, Condition
 from gateway.config import EjectionSettings, HealthSettings
-from gateway.metrics import GatewayMetrics
-from gateway.router import Backend, ModelRoute, Router
+from gateway.router import ModelRoute, Router
 
 log = logging.getLogger("modelyard.health")
 
 
 class HealthMonitor:
+    """The policies that set and clear a backend's UNHEALTHY and EJECTED conditions."""
+
     def __init__(
         self,
         router: Router,
-        metrics: GatewayMetrics,
         session: aiohttp.ClientSession,
         health: HealthSettings,
         ejection: EjectionSettings,
     ) -> None:
         self.router = router
-        self.metrics = metrics
         self.session = session
         self.health = health
         self.ejection = ejection
@@ -57,6 +58,43 @@ class HealthMonitor:
     def configure(self, health: HealthSettings, ejection: EjectionSettings) -> None:
         self.health = health
         self.ejection = ejection
+
+    # ---- active checks: their verdicts (the tasks that run them are further down) ----
+
+    def record_check(self, backend: Backend, passed: bool, first: bool = False) -> None:
+        """An active check's verdict. ``healthy_after`` passes in a row clear UNHEALTHY,
+        ``unhealthy_after`` failures set it (``first``: the backend's first check, which decides
+        alone); a pass after the ejection time re-admits, and a long good spell forgives old
+        ejections."""
+        was_available = backend.available
+        now = time.monotonic()
+        if passed:
+            backend.check_ok_streak += 1
+            backend.check_fail_streak = 0
+            if first or backend.check_ok_streak >= self.health.healthy_after:
+                backend.set_condition(Condition.UNHEALTHY, False)
+            if backend.ejected and now >= backend.ejected_until:
+                backend.set_condition(Condition.EJECTED, False)
+                backend.clear_failures()
+                backend.last_readmit = now
+            elif (
+                backend.ejection_count
+                and not backend.ejected
+                and now - backend.last_readmit >= self.ejection.max_s
+            ):
+                backend.ejection_count = 0  # well-behaved for a long time: forgive old ejections
+        else:
+            backend.check_fail_streak += 1
+            backend.check_ok_streak = 0
+            if first or backend.check_fail_streak >= self.health.unhealthy_after:
+                backend.set_condition(Condition.UNHEALTHY)
+        if backend.available != was_available:
+            log.warning(
+                "backend %s of model %s is now %s",
+                backend.label,
+                backend.model,
+                "available" if backend.available else "unavailable",
+            )
 
     # ---- passive outlier detection (called by the proxy on every attempt's outcome) ----
 
@@ -95,16 +133,14 @@ class HealthMonitor:
         return ejected < max(1, math.floor(len(route.backends) * self.ejection.max_percent / 100))
 
     def _eject(self, backend: Backend) -> None:
+        if not backend.set_condition(Condition.EJECTED):
+            return  # removed meanwhile
         backend.ejection_count += 1
         duration = min(self.ejection.base_s * backend.ejection_count, self.ejection.max_s)
-        backend.ejected = True
         backend.ejected_until = time.monotonic() + duration
         backend.clear_failures()
         self._suspects.discard(backend)
-        backend.refresh()
         self._evict(backend)
-        self.metrics.ejections.labels(backend.model, backend.label).inc()
-        self.metrics.backend_state(backend)
         log.warning(
             "ejected backend %s of model %s for %.1fs (ejection #%d)",
             backend.label,
@@ -149,9 +185,9 @@ class HealthMonitor:
                 ex.evicted_from = backend
                 ex.task.cancel()
 
-    # ---- active checks ----
+    # ---- the check tasks ----
 
-    def sync(self, removed: list[Backend] = ()) -> None:  # type: ignore[assignment]
+    def sync(self, removed: Iterable[Backend] = ()) -> None:
         """Starts checks for new backends and stops those of removed ones."""
         for backend in removed:
             task = self._tasks.pop(backend, None)
@@ -159,10 +195,8 @@ class HealthMonitor:
             self._suspects.discard(backend)
             if task:
                 task.cancel()
-            self.metrics.forget_backend(backend)
         for backend in self.router.backends():
             if backend not in self._tasks:
-                self.metrics.backend_state(backend)
                 self._wakeups[backend] = asyncio.Event()
                 self._tasks[backend] = asyncio.create_task(self._check_loop(backend))
 
@@ -184,7 +218,7 @@ class HealthMonitor:
         first = True
         while not backend.removed:
             passed = await self._probe(backend)
-            self._apply(backend, passed, first)
+            self.record_check(backend, passed, first)
             self._settle(backend, passed)
             first = False
             await self._sleep(backend, self.health.interval_s * random.uniform(0.9, 1.1))
@@ -212,35 +246,3 @@ class HealthMonitor:
                     return 200 <= resp.status < 300
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
-
-    def _apply(self, backend: Backend, passed: bool, first: bool) -> None:
-        was_available = backend.available
-        if passed:
-            backend.check_ok_streak += 1
-            backend.check_fail_streak = 0
-            if first or backend.check_ok_streak >= self.health.healthy_after:
-                backend.healthy = True
-            if backend.ejected and time.monotonic() >= backend.ejected_until:
-                backend.ejected = False
-                backend.clear_failures()
-                backend.last_readmit = time.monotonic()
-            elif (
-                backend.ejection_count
-                and not backend.ejected
-                and time.monotonic() - backend.last_readmit >= self.ejection.max_s
-            ):
-                backend.ejection_count = 0  # well-behaved for a long time: forgive old ejections
-        else:
-            backend.check_fail_streak += 1
-            backend.check_ok_streak = 0
-            if first or backend.check_fail_streak >= self.health.unhealthy_after:
-                backend.healthy = False
-        backend.refresh()
-        if backend.available != was_available:
-            log.warning(
-                "backend %s of model %s is now %s",
-                backend.label,
-                backend.model,
-                "available" if backend.available else "unavailable",
-            )
-        self.metrics.backend_state(backend)

@@ -19,7 +19,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gateway.router import Backend
+from gateway.backend import Backend, BackendState, Condition
 
 UNKNOWN_MODEL = "_unknown"
 # The fixed label values, exported as zeros up front (see declare_model).
@@ -151,14 +151,22 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def backend_state(self, backend: Backend) -> None:
+    def backend_changed(self, backend: Backend, before: BackendState | None) -> None:
+        """The router's backend state listener (gateway/backend.py): a new backend's series start
+        (its ejection count at 0, as in declare_model), a transition updates them, an ejection
+        counts, and a removed backend's series go."""
         labels = (backend.model, backend.label)
-        self.ejections.labels(*labels)  # declared at 0, as in declare_model
+        if backend.removed:
+            self._forget(labels)
+            return
+        if before is None:
+            self.ejections.labels(*labels)
+        elif backend.ejected and Condition.EJECTED not in before:
+            self.ejections.labels(*labels).inc()
         self.backend_up.labels(*labels).set(1 if backend.available else 0)
         self.backend_ejected.labels(*labels).set(1 if backend.ejected else 0)
 
-    def forget_backend(self, backend: Backend) -> None:
-        labels = (backend.model, backend.label)
+    def _forget(self, labels: tuple[str, str]) -> None:
         for key in [k for k in self._children if k[1] == labels]:
             del self._children[key]
         for metric in (

@@ -1,4 +1,6 @@
-"""Request middlewares: request id + error shape + access log + request metrics, then auth."""
+"""Request middlewares: request id + error shape + access log + request metrics (``context``),
+then ``auth``. Every refusal raised below them (``RequestRefused``) becomes its OpenAI error
+answer in ``context``."""
 
 from __future__ import annotations
 
@@ -6,22 +8,23 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from common.errors import RequestRefused, error_response, refusal_response
 from gateway.metrics import UNKNOWN_MODEL
+from gateway.openai_api import CHAT_PATH, COMPLETIONS_PATH
 from gateway.request_keys import API_KEY, EXCHANGE, MODEL, REQUEST_ID
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+from gateway.state import GATEWAY_KEY, Gateway
 
 log = logging.getLogger("modelyard.gateway")
 
 _QUIET_PATHS = frozenset(("/health", "/ready", "/metrics"))
-_COMPLETION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
+_COMPLETION_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH))
 _MAX_REQUEST_ID = 128
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _request_id(request: web.Request) -> str:
@@ -31,39 +34,36 @@ def _request_id(request: web.Request) -> str:
     return os.urandom(12).hex()
 
 
-def make_context_middleware(gateway: Gateway):
-    @web.middleware
-    async def context(request: web.Request, handler) -> web.StreamResponse:
-        request_id = _request_id(request)
-        request[REQUEST_ID] = request_id
-        started = time.monotonic()
-        status = 500
-        try:
-            response = await handler(request)
-            status = response.status
-        except RequestRefused as exc:  # the gateway's own, and the shared HTTP layer's
-            response = refusal_response(exc)
-            status = exc.status
-        except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method...
-            if exc.status < 400:
-                raise
-            response = error_response(exc.status, exc.reason, code="http_error")
-            status = exc.status
-        except asyncio.CancelledError:
-            status = 499  # the client went away; the handler's cleanup closed the upstream
+@web.middleware
+async def context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = _request_id(request)
+    request[REQUEST_ID] = request_id
+    started = time.monotonic()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+    except RequestRefused as exc:  # the gateway's own, and the shared HTTP layer's
+        response = refusal_response(exc)
+        status = exc.status
+    except web.HTTPException as exc:  # aiohttp's own: unknown path, wrong method...
+        if exc.status < 400:
             raise
-        except Exception:
-            log.exception(
-                "unhandled error in %s %s (request %s)", request.method, request.path, request_id
-            )
-            response = error_response(500, "Internal gateway error.", code="internal_error")
-        finally:
-            _finish(gateway, request, request_id, started, status)
-        if not response.prepared:
-            response.headers["x-request-id"] = request_id
-        return response
-
-    return context
+        response = error_response(exc.status, exc.reason, code="http_error")
+        status = exc.status
+    except asyncio.CancelledError:
+        status = 499  # the client went away; the handler's cleanup closed the upstream
+        raise
+    except Exception:
+        log.exception(
+            "unhandled error in %s %s (request %s)", request.method, request.path, request_id
+        )
+        response = error_response(500, "Internal gateway error.", code="internal_error")
+    finally:
+        _finish(request.app[GATEWAY_KEY], request, request_id, started, status)
+    if not response.prepared:
+        response.headers["x-request-id"] = request_id
+    return response
 
 
 def _finish(
@@ -106,14 +106,12 @@ def _finish(
     gateway.access_log.write(entry)
 
 
-def make_auth_middleware(gateway: Gateway):
-    @web.middleware
-    async def auth(request: web.Request, handler) -> web.StreamResponse:
-        path = request.path
-        if path.startswith("/v1/"):
-            request[API_KEY] = gateway.auth.client(request.headers.get("Authorization"))
-        elif path.startswith("/admin"):
-            gateway.auth.admin(request.headers.get("Authorization"))
-        return await handler(request)
-
-    return auth
+@web.middleware
+async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    path = request.path
+    if path.startswith("/v1/"):
+        authenticator = request.app[GATEWAY_KEY].auth
+        request[API_KEY] = authenticator.client(request.headers.get("Authorization"))
+    elif path.startswith("/admin"):
+        request.app[GATEWAY_KEY].auth.admin(request.headers.get("Authorization"))
+    return await handler(request)

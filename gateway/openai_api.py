@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -15,10 +15,8 @@ from gateway.auth import may_use
 from gateway.proxy import Exchange
 from gateway.ratelimit import RateLimited
 from gateway.request_keys import API_KEY, EXCHANGE, MODEL, REQUEST_ID
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-    from gateway.router import ModelRoute
+from gateway.router import ModelRoute
+from gateway.state import GATEWAY_KEY
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -139,106 +137,104 @@ def upstream_body(
     return body, strip_usage
 
 
-class OpenAIEndpoints:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, CHAT_PATH, chat=True)
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, CHAT_PATH, chat=True)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, COMPLETIONS_PATH, chat=False)
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, COMPLETIONS_PATH, chat=False)
 
-    async def _completion(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-        gw = self.gw
-        started = time.monotonic()
-        settings = gw.config.gateway
-        body = await read_body(request, settings.max_body_bytes, settings.clients.body_timeout_s)
-        payload = parse_request(body, chat)
-        key = request[API_KEY]
-        route = gw.router.resolve(payload["model"])
-        if route is None or not may_use(key, route.name):
-            raise RequestRefused(
-                404,
-                f"The model '{excerpt(payload['model'])}' does not exist or you do not have "
-                "access to it.",
-                param="model",
-                code="model_not_found",
-            )
-        request[MODEL] = route.name
-        key_name = key.name if key else None
-        limits = route.config.limits
-        if limits.max_concurrency is not None and route.inflight >= limits.max_concurrency:
-            gw.metrics.rate_limited.labels(route.name, "concurrency").inc()
-            raise RequestRefused(
-                429,
-                f"Too many concurrent requests for model '{route.name}'.",
-                code="rate_limit_exceeded",
-                headers={
-                    "Retry-After": "1",
-                    "x-ratelimit-limit-concurrency": str(limits.max_concurrency),
-                    "x-ratelimit-remaining-concurrency": "0",
-                },
-            )
-        estimate = (
-            estimate_prompt_tokens(payload)
-            if gw.limiter.needs_estimate(key_name, route.name)
-            else 0
+
+async def _completion(request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+    gw = request.app[GATEWAY_KEY]
+    started = time.monotonic()
+    settings = gw.config.gateway
+    body = await read_body(request, settings.max_body_bytes, settings.clients.body_timeout_s)
+    payload = parse_request(body, chat)
+    key = request[API_KEY]
+    route = gw.router.resolve(payload["model"])
+    if route is None or not may_use(key, route.name):
+        raise RequestRefused(
+            404,
+            f"The model '{excerpt(payload['model'])}' does not exist or you do not have "
+            "access to it.",
+            param="model",
+            code="model_not_found",
         )
-        try:
-            admission = gw.limiter.admit(key_name, route.name, estimate)
-        except RateLimited as limited:
-            gw.metrics.rate_limited.labels(route.name, limited.limit).inc()
-            raise RequestRefused(
-                429,
-                f"Rate limit reached ({limited.limit.replace('_', ' ')}); retry in "
-                f"{limited.retry_after_s:.2f}s.",
-                code="rate_limit_exceeded",
-                headers=limited.headers,
-            ) from None
-        stream = payload.get("stream") is True
-        forward_body, strip_usage = upstream_body(body, payload, route, stream)
-        ex = Exchange(
-            request_id=request[REQUEST_ID],
-            path=path,
-            body=forward_body,
-            stream=stream,
-            strip_usage=strip_usage,
-            route=route,
-            admission=admission,
-            affinity_key=affinity_key(route, payload),
-            client=key_name or request.remote or "",
-            started=started,
+    request[MODEL] = route.name
+    key_name = key.name if key else None
+    limits = route.config.limits
+    if limits.max_concurrency is not None and route.inflight >= limits.max_concurrency:
+        gw.metrics.rate_limited.labels(route.name, "concurrency").inc()
+        raise RequestRefused(
+            429,
+            f"Too many concurrent requests for model '{route.name}'.",
+            code="rate_limit_exceeded",
+            headers={
+                "Retry-After": "1",
+                "x-ratelimit-limit-concurrency": str(limits.max_concurrency),
+                "x-ratelimit-remaining-concurrency": "0",
+            },
         )
-        request[EXCHANGE] = ex
-        route.inflight += 1
-        in_flight = gw.metrics.child(gw.metrics.in_flight, route.name)
-        in_flight.inc()
-        try:
-            return await gw.proxy.forward(request, ex)
-        finally:
-            route.inflight -= 1
-            in_flight.dec()
-            if ex.prompt_tokens is not None and ex.completion_tokens is not None:
-                metrics = gw.metrics
-                metrics.child(metrics.prompt_tokens, route.name).inc(ex.prompt_tokens)
-                metrics.child(metrics.completion_tokens, route.name).inc(ex.completion_tokens)
-                admission.settle(ex.prompt_tokens + ex.completion_tokens)
+    estimate = (
+        estimate_prompt_tokens(payload) if gw.limiter.needs_estimate(key_name, route.name) else 0
+    )
+    try:
+        admission = gw.limiter.admit(key_name, route.name, estimate)
+    except RateLimited as limited:
+        gw.metrics.rate_limited.labels(route.name, limited.limit).inc()
+        raise RequestRefused(
+            429,
+            f"Rate limit reached ({limited.limit.replace('_', ' ')}); retry in "
+            f"{limited.retry_after_s:.2f}s.",
+            code="rate_limit_exceeded",
+            headers=limited.headers,
+        ) from None
+    stream = payload.get("stream") is True
+    forward_body, strip_usage = upstream_body(body, payload, route, stream)
+    ex = Exchange(
+        request_id=request[REQUEST_ID],
+        path=path,
+        body=forward_body,
+        stream=stream,
+        strip_usage=strip_usage,
+        route=route,
+        admission=admission,
+        affinity_key=affinity_key(route, payload),
+        client=key_name or request.remote or "",
+        started=started,
+    )
+    request[EXCHANGE] = ex
+    route.inflight += 1
+    in_flight = gw.metrics.child(gw.metrics.in_flight, route.name)
+    in_flight.inc()
+    try:
+        return await gw.proxy.forward(request, ex)
+    finally:
+        route.inflight -= 1
+        in_flight.dec()
+        if ex.prompt_tokens is not None and ex.completion_tokens is not None:
+            metrics = gw.metrics
+            metrics.child(metrics.prompt_tokens, route.name).inc(ex.prompt_tokens)
+            metrics.child(metrics.completion_tokens, route.name).inc(ex.completion_tokens)
+            admission.settle(ex.prompt_tokens + ex.completion_tokens)
 
-    async def models(self, request: web.Request) -> web.Response:
-        key = request[API_KEY]
-        data = []
-        for route in self.gw.router.routes.values():
-            if not may_use(key, route.name):
-                continue
-            for served in (route.name, *route.config.aliases):
-                data.append(
-                    {
-                        "id": served,
-                        "object": "model",
-                        "created": self.gw.started_at,
-                        "owned_by": "modelyard",
-                        "root": route.name,
-                    }
-                )
-        return web.json_response({"object": "list", "data": data})
+
+async def list_models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY_KEY]
+    key = request[API_KEY]
+    data = []
+    for route in gw.router.routes.values():
+        if not may_use(key, route.name):
+            continue
+        for served in (route.name, *route.config.aliases):
+            data.append(
+                {
+                    "id": served,
+                    "object": "model",
+                    "created": gw.started_at,
+                    "owned_by": "modelyard",
+                    "root": route.name,
+                }
+            )
+    return web.json_response({"object": "list", "data": data})

@@ -22,15 +22,15 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 import aiohttp
 
 from common.engine_args import EngineArgs
 from common.net import free_port
-from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig, gpu_share
-from gateway.router import Backend
+from gateway.backend import Backend
+from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig
 
 log = logging.getLogger("modelyard.pool")
 
@@ -192,7 +192,7 @@ class EnginePool:
         # Replace stale replicas one at a time: new one up first, then the old one out; on a GPU
         # without room for both, the old one out first.
         for old in stale:
-            if self._gpu_in_use() + gpu_share(model) > MAX_GPU_FRACTION_SUM:
+            if self._gpu_in_use() + model.gpu_share > MAX_GPU_FRACTION_SUM:
                 log.info("model %s: no GPU memory for a new replica beside the old", model.name)
                 await self._retire(model.name, [old])
                 if not await self._add_replica(model, spec):
@@ -226,7 +226,7 @@ class EnginePool:
 
     def _gpu_in_use(self) -> float:
         """The GPU memory fraction of every replica started and not yet stopped."""
-        return sum(gpu_share(r.config) for rs in self.replicas.values() for r in rs)
+        return sum(r.config.gpu_share for rs in self.replicas.values() for r in rs)
 
     async def _add_replica(self, model: ModelConfig, spec: tuple[str, ...]) -> bool:
         replica = Replica(model=model.name, spec=spec, config=model)
@@ -259,7 +259,7 @@ class EnginePool:
         if model in self.replicas:
             self.replicas[model] = remaining
 
-    def _publish(self, model: str, exclude: list[Replica] = ()) -> None:  # type: ignore[assignment]
+    def _publish(self, model: str, exclude: Collection[Replica] = ()) -> None:
         urls = [
             r.url
             for r in self.replicas.get(model, [])

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 
 from gateway.config import ApiKey
-
-if TYPE_CHECKING:
-    pass
+from gateway.proxy import Exchange
 
 REQUEST_ID = web.RequestKey("request_id", str)
 API_KEY = web.RequestKey("api_key", ApiKey | None)  # None in open mode
 MODEL = web.RequestKey("model", str)  # canonical name once routed (a bounded metrics label)
-EXCHANGE = web.RequestKey("exchange", "Exchange")
+EXCHANGE = web.RequestKey("exchange", Exchange)

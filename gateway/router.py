@@ -15,84 +15,9 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Iterable
-from urllib.parse import urlsplit
 
+from gateway.backend import Backend, Condition, StateListener
 from gateway.config import FleetConfig, ModelConfig
-
-
-class Backend:
-    """One upstream server of one model, with the state that routing and health checks share."""
-
-    __slots__ = (
-        "available",
-        "check_fail_streak",
-        "check_ok_streak",
-        "consecutive_failures",
-        "draining",
-        "ejected",
-        "ejected_until",
-        "ejection_count",
-        "failure_signatures",
-        "healthy",
-        "label",
-        "last_readmit",
-        "model",
-        "outstanding",
-        "removed",
-        "repeated_failures",
-        "url",
-        "url_bytes",
-        "waiting",
-    )
-
-    def __init__(self, model: str, url: str) -> None:
-        self.model = model
-        self.url = url
-        self.url_bytes = url.encode()
-        # Bounded (one per configured backend) and without any user:password@ of the URL.
-        parts = urlsplit(url)
-        self.label = parts.netloc.rpartition("@")[2] + parts.path
-        self.outstanding = 0
-        self.healthy = True  # optimistic until the first check, which runs at once
-        self.ejected = False
-        self.ejected_until = 0.0
-        self.ejection_count = 0
-        # The passive failure streak (see HealthMonitor.record_failure): failures that count toward
-        # ejection, the signatures of the upstream's own error answers among them, and answers
-        # that repeated one of those signatures (counted only toward an active check).
-        self.consecutive_failures = 0
-        self.failure_signatures: set[int] = set()
-        self.repeated_failures = 0
-        self.check_ok_streak = 0
-        self.check_fail_streak = 0
-        self.last_readmit = 0.0
-        self.draining = False
-        self.removed = False
-        self.available = True
-        self.waiting: set = set()  # exchanges whose attempt here has sent nothing to the client
-
-    def refresh(self) -> None:
-        self.available = (
-            self.healthy and not self.ejected and not self.draining and not self.removed
-        )
-
-    def clear_failures(self) -> None:
-        """Ends the passive failure streak."""
-        self.consecutive_failures = 0
-        self.repeated_failures = 0
-        self.failure_signatures.clear()
-
-    def state(self) -> dict:
-        return {
-            "url": self.url,
-            "available": self.available,
-            "healthy": self.healthy,
-            "ejected": self.ejected,
-            "ejection_count": self.ejection_count,
-            "draining": self.draining,
-            "outstanding": self.outstanding,
-            "consecutive_failures": self.consecutive_failures,
-        }
 
 
 class ModelRoute:
@@ -134,9 +59,10 @@ class ModelRoute:
 
 
 class Router:
-    def __init__(self) -> None:
+    def __init__(self, on_backend_state: StateListener | None = None) -> None:
         self.routes: dict[str, ModelRoute] = {}  # canonical name → route
         self._lookup: dict[str, ModelRoute] = {}  # name or alias → route
+        self._listener = on_backend_state  # given to every backend (GatewayMetrics' hook)
 
     def resolve(self, name: str) -> ModelRoute | None:
         return self._lookup.get(name)
@@ -173,15 +99,15 @@ class Router:
         removed = self._set_urls(route, tuple(urls))
         return [b for b in route.backends if b not in before], removed
 
-    @staticmethod
-    def _set_urls(route: ModelRoute, urls: tuple[str, ...]) -> list[Backend]:
+    def _set_urls(self, route: ModelRoute, urls: tuple[str, ...]) -> list[Backend]:
         current = {b.url: b for b in route.backends}
-        route.backends = [current.get(url) or Backend(route.name, url) for url in urls]
+        route.backends = [
+            current.get(url) or Backend(route.name, url, self._listener) for url in urls
+        ]
         kept = set(urls)
         removed = [b for url, b in current.items() if url not in kept]
         for backend in removed:
-            backend.removed = True
-            backend.refresh()
+            backend.set_condition(Condition.REMOVED)
         return removed
 
     def find(self, model: str, url: str) -> Backend | None:

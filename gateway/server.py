@@ -11,7 +11,7 @@ from aiohttp import web
 
 from common.errors import error_body
 from common.http_server import GuardedRunner
-from gateway.app import GATEWAY_KEY
+from gateway.state import GATEWAY_KEY
 
 log = logging.getLogger("modelyard.gateway")
 

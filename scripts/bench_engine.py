@@ -44,11 +44,12 @@ from torch import nn
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from engine import cpu_kernels  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.linear import PrepackedLinear, StepGemms  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
+from engine.model.cpu.kernels.build import available  # noqa: E402
+from engine.model.cpu.kernels.paged_decode import read_paged_kv  # noqa: E402
+from engine.model.cpu.linear import PrepackedLinear, StepGemms  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SECTIONS = ("limit", "hf", "mixed", "prefix", "memory")
@@ -194,12 +195,12 @@ def memory_read_gb_per_s(device: torch.device) -> float:
 
 def paged_kv_read(core: EngineCore, kv_bytes_per_token: int) -> Callable[[], float] | None:
     """A callable reading what the next decode step's attention reads, through the running
-    sequences' block tables, and nothing else (cpu_kernels.read_paged_kv, on all the engine's
+    sequences' block tables, and nothing else (read_paged_kv, on all the engine's
     threads); it returns its GB/s. None off the CPU kernels. Paged blocks are not one sequential
     stream: this is the floor for attention over this memory and this cache layout, which a
     1 GiB sum is not. Reads run back to back, so a small batch's K/V (which in a step the weights
     evict) may partly come from cache: a floor on the optimistic side."""
-    if core.runner.device.type != "cpu" or not cpu_kernels.available():
+    if core.runner.cpu is None or not available():
         return None
 
     def run() -> float:
@@ -209,7 +210,7 @@ def paged_kv_read(core: EngineCore, kv_bytes_per_token: int) -> Callable[[], flo
         tables = torch.tensor(padded, dtype=torch.int32)
         seq_lens = torch.tensor([s.num_tokens for s in running], dtype=torch.int32)
         started = time.perf_counter()
-        cpu_kernels.read_paged_kv(core.runner.kv_caches, tables, seq_lens, core.runner.threads)
+        read_paged_kv(core.runner.kv_caches, tables, seq_lens, core.runner.cpu.threads)
         elapsed = time.perf_counter() - started
         return int(seq_lens.sum()) * kv_bytes_per_token / elapsed / 1e9
 
@@ -312,7 +313,7 @@ def bench_limit(args: argparse.Namespace) -> dict:
         log(f"limit B={batch}: {row}")
         results.append(row)
     return {
-        "num_prepacked_linears": core.runner.num_prepacked,
+        "num_prepacked_linears": core.runner.cpu.num_prepacked if core.runner.cpu else 0,
         "memory_read_gb_per_s": round(read_gb_per_s, 1),
         "rows": results,
     }

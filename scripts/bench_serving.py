@@ -348,10 +348,10 @@ def run_offline(
 ):
     """The engine's own throughput without HTTP: EngineCore driven in this process, closed loop
     with ``concurrency`` requests in flight, the same prompts and output lengths."""
-    from engine.cli import parse_args
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
+    from engine.core.sampling_params import SamplingParams
     from engine.errors import InvalidRequestError
-    from engine.sampling_params import SamplingParams
+    from engine.serving.cli import parse_args
 
     if core is None:
         config, _ = parse_args(engine_args)
@@ -399,8 +399,8 @@ def run_offline(
 
 def hf_model(engine_args: list[str]) -> tuple[Path, str]:
     """The engine's model as transformers loads it: folder (a GGUF's converted copy) and dtype."""
-    from engine.cli import parse_args
-    from engine.loader import converted_gguf_dir, resolve_device, resolve_dtype, split_source
+    from engine.model.loader import converted_gguf_dir, resolve_device, resolve_dtype, split_source
+    from engine.serving.cli import parse_args
 
     config, _ = parse_args(engine_args)
     path, gguf = split_source(config.model, config.gguf_file)

@@ -8,9 +8,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import CompletionOutput, RequestOutput
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from engine.sequence import CompletionOutput, RequestOutput
 
 
 @dataclass

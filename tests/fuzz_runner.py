@@ -250,7 +250,7 @@ _REPO = str(Path(__file__).resolve().parents[1]) + "/"
 
 def tracebacks_in(text: str) -> list[str]:
     """Each traceback in ``text`` as one line: the innermost frame in this repository (else the
-    innermost frame) and the exception, e.g. ``engine/protocol.py:163 in parse_messages:
+    innermost frame) and the exception, e.g. ``engine/serving/requests.py:163 in parse_messages:
     TypeError: unhashable type: 'list'``."""
     found: list[str] = []
     frames: list[str] = []

@@ -17,8 +17,9 @@ from aiohttp import web
 
 from common.http_server import ClientLimits
 from common.net import free_port
-from engine.async_engine import AsyncEngine
-from engine.server import EngineRunner, ServerSettings, create_app
+from engine.serving.app import ServerSettings, create_app
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.server import EngineRunner
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,8 @@ from aiohttp import web
 
 from common.net import free_port
 from gateway.app import Gateway, create_app
-from gateway.config import load_config
+from gateway.config import load_config, parse_config
+from gateway.router import ModelRoute, Router
 from gateway.server import GatewayRunner
 
 MOCK_SCRIPT = Path(__file__).with_name("mock_upstream.py")
@@ -134,6 +135,16 @@ def fleet(upstream_urls: list[str], **gateway: Any) -> dict[str, Any]:
             }
         ],
     }
+
+
+def model_route(**model: Any) -> ModelRoute:
+    """The route of one external model 'm' (keyword arguments: more of its models.yaml keys)."""
+    config = parse_config({"models": [{"name": "m", "upstreams": ["http://127.0.0.1:9"], **model}]})
+    router = Router()
+    router.apply(config)
+    route = router.resolve("m")
+    assert route is not None
+    return route
 
 
 class RunningGateway:

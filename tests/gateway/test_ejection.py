@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from gateway.backend import Backend, Condition
 from gateway.config import EjectionSettings, HealthSettings, parse_config
 from gateway.health import HealthMonitor
-from gateway.metrics import GatewayMetrics
-from gateway.router import Backend, Router
+from gateway.router import Router
 from tests.gateway.conftest import fleet
 from tests.gateway.test_resilience import wait_for
 
@@ -46,7 +46,7 @@ def _monitor(backends: int, threshold: int, max_percent: float = 50) -> tuple[He
     router = Router()
     router.apply(parse_config({"models": [{"name": "m1", "upstreams": urls}]}))
     ejection = EjectionSettings(consecutive_failures=threshold, base_s=5, max_percent=max_percent)
-    monitor = HealthMonitor(router, GatewayMetrics(), None, HealthSettings(), ejection)  # type: ignore[arg-type]
+    monitor = HealthMonitor(router, None, HealthSettings(), ejection)  # type: ignore[arg-type]
     return monitor, router.resolve("m1")
 
 
@@ -67,8 +67,7 @@ async def test_repeated_signatures_do_not_count_distinct_ones_and_broken_answers
     for _ in range(3):  # connect errors, resets, timeouts: every one counts
         monitor.record_failure(route, b, None)
     assert not b.ejected  # max_percent 50 of 3: one at a time
-    a.ejected = False
-    a.refresh()
+    a.set_condition(Condition.EJECTED, False)
     for _ in range(3):
         monitor.record_failure(route, b, None)
     assert b.ejected
@@ -77,13 +76,11 @@ async def test_repeated_signatures_do_not_count_distinct_ones_and_broken_answers
 async def test_passive_evidence_never_ejects_the_last_available_backend():
     monitor, route = _monitor(backends=2, threshold=3, max_percent=100)
     down, last = route.backends
-    down.healthy = False  # its active checks failed
-    down.refresh()
+    down.set_condition(Condition.UNHEALTHY)  # its active checks failed
     for _ in range(10):
         monitor.record_failure(route, last, None)
     assert not last.ejected and last.available
-    down.healthy = True
-    down.refresh()
+    down.set_condition(Condition.UNHEALTHY, False)
     monitor.record_failure(route, last, None)
     assert last.ejected  # with another backend available, the same evidence ejects
 

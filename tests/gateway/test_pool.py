@@ -114,8 +114,8 @@ def test_engine_command_flags(tmp_path):
 
 
 def test_only_the_fleets_single_engine_spins(tmp_path):
-    """--spin-wait (engine.openmp_env) goes to a fleet's only local engine, never to engines that
-    share the machine with others; upstream-only models do not count."""
+    """--spin-wait (engine.model.cpu.openmp_env) goes to a fleet's only local engine, never to
+    engines that share the machine with others; upstream-only models do not count."""
 
     def flags(doc: dict) -> list[bool]:
         config = load_config(_write(tmp_path, doc))

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from common.net import free_port
+from gateway.backend import Condition
 from tests.gateway.conftest import fleet
 
 
@@ -81,8 +82,7 @@ async def test_503_is_retried_on_another_replica_and_ejects(start_gateway, spawn
     assert gw.gateway.metrics.retries.labels("m1", "status_503")._value.get() >= 1
     # Both failing: the last upstream error comes back, and only one of two is ejected.
     b.control(fail=503)
-    backend_a.ejected = False
-    backend_a.refresh()
+    backend_a.set_condition(Condition.EJECTED, False)
     for _ in range(6):
         resp = await gw.chat()
         assert resp.status == 503
@@ -153,8 +153,8 @@ async def test_connect_timeout(start_gateway):
         )
         route = gw.gateway.router.resolve("m1")
         await wait_for(lambda: route.backends[0].check_fail_streak >= 1, timeout=3.0)
-        route.backends[0].healthy = True  # keep routing to it despite the failing first check
-        route.backends[0].refresh()
+        # keep routing to it despite the failing first check
+        route.backends[0].set_condition(Condition.UNHEALTHY, False)
         start = time.monotonic()
         resp = await gw.chat()
         assert resp.status == 504
@@ -258,8 +258,8 @@ async def test_dead_single_upstream_is_502(start_gateway):
     gw = await start_gateway(fleet([f"http://127.0.0.1:{port}"], health={"interval_s": 60}))
     route = gw.gateway.router.resolve("m1")
     await wait_for(lambda: route.backends[0].check_fail_streak >= 1, timeout=3.0)
-    route.backends[0].healthy = True  # keep routing to it despite the failing first check
-    route.backends[0].refresh()
+    # keep routing to it despite the failing first check
+    route.backends[0].set_condition(Condition.UNHEALTHY, False)
     resp = await gw.chat()
     assert resp.status == 502
     assert (await resp.json())["error"]["code"] == "upstream_connect_error"

@@ -1,0 +1,284 @@
+"""The engine loop: admit requests, run one scheduled step at a time, emit per-step deltas.
+
+One step = schedule -> run the model -> advance progress -> sample -> append, detokenize, check stop
+conditions -> RequestOutput deltas. The core is synchronous and single-threaded; the server drives
+it from its own thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.blocks import BlockManager
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.sampling import Sampler
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import CompletionOutput, RequestOutput, Sequence, TokenLogprob
+from engine.errors import InvalidRequestError
+from engine.model.loader import load_model
+from engine.model.runner import ModelRunner
+
+
+@dataclass
+class EngineStats:
+    """Gauges (now) and cumulative counters, as the metrics endpoint exports them."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class StepTimings:
+    """Cumulative wall time per phase of step() (benchmarks read and reset it)."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    forward_s: float = 0.0  # runner.execute: batch building + model forward, attention included
+    attention_s: float = 0.0  # inside forward; measured only when runner.time_attention is on
+    projected_layers: int = 0  # attention calls whose time includes their layer's qkv GEMM
+    sample_s: float = 0.0
+    postprocess_s: float = 0.0  # finish_step, appending, detokenizing, stop checks, outputs
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+
+@dataclass
+class _Request:
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    started: bool = False  # first output sent
+    pending: dict[int, CompletionOutput] = field(default_factory=dict)  # this step's deltas
+
+
+class EngineCore:
+    """Step-level engine: add_request / step / abort, driven by the server or the offline API."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded = load_model(config)
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        model_limit = loaded.max_position_embeddings
+        self.max_model_len = min(config.max_model_len, model_limit or config.max_model_len)
+        self.max_n = config.max_n
+        self.runner = ModelRunner(config, loaded, self.max_model_len)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler()
+        self.timings = StepTimings()
+        self._requests: dict[str, _Request] = {}
+        self._next_seq_id = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    # ------------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; InvalidRequestError if it can never run."""
+        self._validate(request_id, prompt_token_ids, params)
+        seqs = []
+        for index in range(params.n):
+            seqs.append(
+                Sequence(
+                    self._next_seq_id,
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    choice_index=index,
+                    arrival_time=arrival_time,
+                )
+            )
+            self._next_seq_id += 1
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs
+        ]
+        self._requests[request_id] = _Request(seqs, detokenizers)
+        self.scheduler.add(seqs)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        bad = next(
+            (t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size), None
+        )
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad!r} is out of the vocabulary [0, {self.vocab_size})", param="prompt"
+            )
+        params.validate()
+        if params.n > self.max_n:
+            raise InvalidRequestError(f"n must be at most {self.max_n}", param="n")
+        max_tokens = params.max_tokens if params.max_tokens is not None else 1
+        if len(prompt) + max_tokens > self.max_model_len:
+            if params.max_tokens is None:
+                detail = f"{len(prompt)} prompt tokens leave no room for a completion"
+            else:
+                detail = (
+                    f"you requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the "
+                    f"prompt, {max_tokens} for the completion)"
+                )
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens; {detail}. "
+                "Please reduce the length of the prompt or max_tokens.",
+                param="max_tokens" if params.max_tokens is not None else "prompt",
+            )
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request now (its blocks are freed at once); unknown ids are ignored."""
+        if self._requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the deltas of every request that made progress."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if out.is_empty:
+            return []
+        logits = self.runner.execute(out.to_step_batch())
+        t2 = time.perf_counter()
+        to_sample = self.scheduler.finish_step(out)
+        outputs: list[RequestOutput] = []
+        sample_s = 0.0
+        if to_sample:
+            seqs = [seq for seq, _ in to_sample]
+            rows = [row for _, row in to_sample]
+            if rows != list(range(logits.shape[0])):  # n>1 siblings share their leader's row
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            t3 = time.perf_counter()
+            token_ids, logprobs = self.sampler(logits, seqs)
+            sample_s = time.perf_counter() - t3
+            outputs = self._process(seqs, token_ids, logprobs)
+        t5 = time.perf_counter()
+        timings = self.timings
+        timings.steps += 1
+        timings.schedule_s += t1 - t0
+        timings.forward_s += t2 - t1
+        timings.attention_s += self.runner.last_attention_s
+        timings.projected_layers += self.runner.last_projected_layers
+        timings.sample_s += sample_s
+        timings.postprocess_s += t5 - t2 - sample_s
+        return outputs
+
+    def _process(
+        self, seqs: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprob | None]
+    ) -> list[RequestOutput]:
+        touched: dict[str, _Request] = {}
+        now = time.monotonic()
+        for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
+            request = self._requests.get(seq.request_id)
+            if request is None or seq.is_finished:
+                continue
+            seq.append_token(token)
+            self._generation_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            text, reason = self._detokenize_and_check(seq, request, token)
+            delta = request.pending.get(seq.choice_index)
+            if delta is None:
+                delta = request.pending[seq.choice_index] = CompletionOutput(
+                    index=seq.choice_index,
+                    token_ids=[],
+                    text="",
+                    logprobs=[] if seq.params.logprobs is not None else None,
+                )
+            delta.token_ids.append(token)
+            delta.text += text
+            if delta.logprobs is not None and logprob is not None:
+                delta.logprobs.append(logprob)
+            if reason is not None:
+                delta.finish_reason = reason
+                self.scheduler.finish(seq, reason)
+            touched[seq.request_id] = request
+        return [self._emit(request_id, request) for request_id, request in touched.items()]
+
+    def _detokenize_and_check(
+        self, seq: Sequence, request: _Request, token: int
+    ) -> tuple[str, str | None]:
+        """Text to emit for ``token`` and the finish reason, if the sequence ends here."""
+        params = seq.params
+        detokenizer = request.detokenizers[seq.choice_index]
+        stop_token = (not params.ignore_eos and token in self.eos_token_ids) or (
+            token in params.stop_token_ids
+        )
+        text = ""
+        if not stop_token or params.include_stop_str_in_output:
+            text, stop_str = detokenizer.add([token])
+            if stop_str is not None:
+                return text, "stop"
+        if stop_token:
+            reason = "stop"
+        elif (
+            params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+        ) or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        else:
+            return text, None
+        return text + detokenizer.flush(), reason
+
+    def _emit(self, request_id: str, request: _Request) -> RequestOutput:
+        first = request.seqs[0]
+        finished = all(s.is_finished for s in request.seqs)
+        queue_time = None
+        if not request.started:
+            request.started = True
+            self._prompt_tokens += first.num_prompt_tokens
+            if first.first_scheduled_time is not None:
+                queue_time = max(0.0, first.first_scheduled_time - first.arrival_time)
+        output = RequestOutput(
+            request_id=request_id,
+            outputs=[request.pending[i] for i in sorted(request.pending)],
+            finished=finished,
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            queue_time_s=queue_time,
+        )
+        request.pending = {}
+        if finished:
+            del self._requests[request_id]
+        return output
+
+    # --------------------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            num_blocks=self.runner.num_blocks,
+            block_size=self.config.block_size,
+        )

@@ -1,0 +1,73 @@
+"""The runner's one entry to the CPU speed-ups: `prepare_cpu_fast_path` readies a loaded model
+for CPU speed once, and the `CpuFastPath` it returns answers the runner's per-step questions.
+
+At load: torch's intra-op thread count, and every linear replaced by prepacked GEMMs
+(`engine.model.cpu.linear`: oneDNN-blocked weights, fp32 panels for the C panel GEMM, q/k/v and
+gate/up fused) where oneDNN supports the dtype. Per forward: which ops get every thread
+(`step_threads`). Once, after the runner measured its KV budget: the lean Llama forward
+(`lean_forward`), which the runner keeps only if it reproduces the transformers forward.
+
+Off the fast path, the CPU pieces reached without it: the "cpu" attention backend
+(`engine.model.cpu.attention`, chosen with the others by engine.model.attention.backends), the
+sampler's argmax kernel, and `engine.model.cpu.openmp_env`, which must run before torch loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.model.cpu.lean_forward import LeanLlamaForward
+from engine.model.cpu.linear import prepack_linears, prepack_supported
+from engine.model.cpu.threads import split_threads
+
+# torch parallelises an elementwise op from this many elements (at::internal::GRAIN_SIZE).
+_ELEMENTWISE_GRAIN = 32768
+# From this many elements per activation row set (tokens x hidden) the elementwise ops are big
+# enough to pay for waking the other threads (SiLU over 1024 x 1536: 1.3 ms on one thread).
+_ELEMENTWISE_PARALLEL = 256 * 576
+
+
+class CpuFastPath:
+    """A model prepared by `prepare_cpu_fast_path`."""
+
+    def __init__(self, model: nn.Module, threads: int, num_prepacked: int) -> None:
+        self.threads = threads  # intra-op threads of big ops (small ones run on one: step_threads)
+        self.num_prepacked = num_prepacked  # GEMMs that replaced the model's linears
+        self._model = model
+        self._hidden_size = model.get_input_embeddings().embedding_dim
+
+    def step_threads(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
+        """The thread policy of a forward over ``num_tokens`` tokens. Once the model's
+        elementwise ops get big enough for torch to parallelise them (activations of
+        ``_ELEMENTWISE_GRAIN`` elements), they run on one thread and only GEMMs and big attention
+        calls on every thread, until they are big enough to gain from every thread themselves
+        (``_ELEMENTWISE_PARALLEL``, prefill-sized steps); below the grain, switching thread counts
+        per GEMM costs more (~3%) than it saves, so everything keeps every thread."""
+        elements = num_tokens * self._hidden_size
+        if self.threads > 1 and _ELEMENTWISE_GRAIN <= elements < _ELEMENTWISE_PARALLEL:
+            return split_threads(self.threads)
+        return contextlib.nullcontext()
+
+    def lean_forward(self) -> LeanLlamaForward | None:
+        """The lean forward of the prepared model, when its architecture and prepacked linears
+        allow one; the runner checks it against the transformers forward before using it."""
+        return LeanLlamaForward.build(self._model)
+
+
+def prepare_cpu_fast_path(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, config: EngineConfig
+) -> CpuFastPath | None:
+    """Ready ``model`` (loaded on ``device`` in ``dtype``) for CPU speed; None off the CPU."""
+    if device.type != "cpu":
+        return None
+    threads = max(1, config.num_threads or len(os.sched_getaffinity(0)))
+    torch.set_num_threads(threads)
+    num_prepacked = 0
+    if prepack_supported(device, dtype):
+        num_prepacked = prepack_linears(model, batch_size_hint=config.max_num_seqs)
+    return CpuFastPath(model, threads, num_prepacked)

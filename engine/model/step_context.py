@@ -1,0 +1,91 @@
+"""What every attention call of one forward reads: the step's layout, the KV pools, the backend,
+and the step's attention bookkeeping (time, layers called)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model.attention.backends import paged_attention
+from engine.model.attention.metadata import AttentionMetadata
+from engine.model.cpu.attention import fused_decode_step
+from engine.model.cpu.kernels.panel_gemm import PanelOperands
+
+
+@dataclass
+class StepContext:
+    """What every attention call of one forward needs."""
+
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    backend: str  # the model's attention backend (engine.model.attention.backends)
+    time_attention: bool = False
+    attention_s: float = 0.0
+    layers_called: set[int] = field(default_factory=set)
+    projected_layers: int = 0  # attention calls that also ran their layer's qkv GEMM
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Paged attention of one layer: query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+        k_cache, v_cache = self.kv_caches[layer]
+        started = time.perf_counter() if self.time_attention else 0.0
+        out = paged_attention(
+            query,
+            key,
+            value,
+            k_cache,
+            v_cache,
+            self.meta,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            backend=self.backend,
+        )
+        return self._attended(layer, started, out)
+
+    def _attended(self, layer: int, started: float, out: torch.Tensor) -> torch.Tensor:
+        """Book a layer's attention call that began at ``started``; returns its output."""
+        if self.time_attention:
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            self.attention_s += time.perf_counter() - started
+        self.layers_called.add(layer)
+        return out
+
+    def fused_decode(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], q_heads: int, dtype: torch.dtype
+    ) -> Callable[[int, torch.Tensor | PanelOperands, float, int | None], torch.Tensor] | None:
+        """For a decode-only step on the C kernels: ``attend(layer, qkv, scale, sliding_window)``
+        taking the layer's unrotated qkv rows [B, (Hq + 2 Hkv) * D] and doing rotary (``rotary``:
+        cos/sin [B, D]), the cache write and attention in one call, returning [B, Hq, D]. ``qkv``
+        may also be the qkv projection's panel GEMM
+        (engine.model.cpu.linear.StepGemms.panel_operands), which then runs in the same call; its
+        time then counts as attention's. None: use `attend` (another backend, or see
+        engine.model.cpu.attention.fused_decode_step)."""
+        if self.backend != "cpu":
+            return None
+        step = fused_decode_step(self.meta, self.kv_caches[0][0], rotary, q_heads, dtype)
+        if step is None:
+            return None
+
+        def attend(
+            layer: int, qkv: torch.Tensor | PanelOperands, scale: float, window: int | None
+        ) -> torch.Tensor:
+            k_cache, v_cache = self.kv_caches[layer]
+            started = time.perf_counter() if self.time_attention else 0.0
+            if not isinstance(qkv, torch.Tensor):
+                self.projected_layers += 1
+            return self._attended(layer, started, step(qkv, k_cache, v_cache, scale, window, None))
+
+        return attend

@@ -1,0 +1,19 @@
+"""What the command line tells the server process beyond EngineConfig: where to listen, how long
+to drain, and the HTTP limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.http_server import ClientLimits
+
+
+@dataclass
+class ServerOptions:
+    host: str
+    port: int
+    max_body_bytes: int
+    shutdown_timeout: float
+    log_level: str
+    max_header_bytes: int = 8190
+    client_limits: ClientLimits = field(default_factory=ClientLimits)

@@ -1,0 +1,156 @@
+"""The typed, immutable configuration that models.yaml is read into, and the one place where every
+default is written: the section readers take theirs from these dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.http_server import ClientLimits
+
+MAX_GPU_FRACTION_SUM = 0.95  # the most every GPU replica's fraction may sum to (one card)
+DEVICES = ("auto", "cpu", "cuda")
+AFFINITY_KINDS = ("none", "prefix", "user")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 2.0
+    first_byte_s: float = 60.0  # to the response headers; for streams, to the first chunk
+    idle_s: float = 30.0  # between stream chunks (and while reading a response body)
+    total_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    interval_s: float = 2.0
+    timeout_s: float = 1.0
+    unhealthy_after: int = 2
+    healthy_after: int = 1
+
+
+@dataclass(frozen=True)
+class EjectionSettings:
+    consecutive_failures: int = 3
+    base_s: float = 5.0
+    max_s: float = 300.0
+    max_percent: float = 50.0
+
+
+@dataclass(frozen=True)
+class RetrySettings:
+    attempts: int = 2  # total tries, the first included
+    backoff_ms: float = 50.0
+    budget_percent: float = 20.0  # retries may add at most this share of requests...
+    budget_min: int = 10  # ...plus this reserve, so a quiet gateway can still retry
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    key_env: str
+    secret: str = field(repr=False)
+    models: tuple[str, ...] | None  # None: every model
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    admin_key_env: str | None = None
+    admin_key: str | None = field(default=None, repr=False)
+    keys: tuple[ApiKey, ...] = ()
+
+    @property
+    def open_mode(self) -> bool:
+        return not self.keys
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeouts: Timeouts = Timeouts()
+    health: HealthSettings = HealthSettings()
+    ejection: EjectionSettings = EjectionSettings()
+    retries: RetrySettings = RetrySettings()
+    max_body_bytes: int = 4 * 2**20
+    max_header_bytes: int = 8190
+    clients: ClientLimits = field(default_factory=ClientLimits)
+    access_log: bool = True
+    watch_config: bool = True  # reload when models.yaml changes on disk
+    auth: AuthSettings = AuthSettings()
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """The ``defaults`` section: engine settings of local models that do not set their own."""
+
+    device: str = "auto"  # one of DEVICES
+    max_model_len: int = 4096
+    max_num_seqs: int = 16
+    gpu_memory_fraction: float | None = None
+    kv_cache_memory: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+
+
+@dataclass(frozen=True)
+class Affinity:
+    by: str = "none"  # one of AFFINITY_KINDS
+    prefix_chars: int = 256
+    max_extra_load: int = 4  # leave the warm replica when it has this many more requests in flight
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    aliases: tuple[str, ...] = ()
+    upstreams: tuple[str, ...] = ()  # external OpenAI-compatible servers: routed, never spawned
+    source: str | None = None  # local model file or folder: the pool spawns engines for it
+    upstream_model: str | None = None  # the name the upstream knows the model by
+    api_key_env: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    health_path: str = "/ready"
+    replicas: int = 1
+    device: str = ModelDefaults.device
+    max_model_len: int = ModelDefaults.max_model_len
+    max_num_seqs: int = ModelDefaults.max_num_seqs
+    gpu_memory_fraction: float | None = ModelDefaults.gpu_memory_fraction
+    kv_cache_memory: int | None = ModelDefaults.kv_cache_memory
+    engine_args: tuple[str, ...] = ()  # extra `python -m engine` flags
+    # Derived, not configured: the fleet's only local engine may let idle threads spin briefly
+    # (engine.model.cpu.openmp_env); with several, they would take each other's cores. The pool
+    # reads it at each engine start; it never makes the pool replace a running engine.
+    spin_wait: bool = False
+    limits: ModelLimits = ModelLimits()
+    timeouts: Timeouts = Timeouts()
+    affinity: Affinity = Affinity()
+
+    @property
+    def local(self) -> bool:
+        return self.source is not None
+
+    @property
+    def wire_name(self) -> str:
+        """The model name requests carry upstream."""
+        return self.upstream_model or self.name
+
+    @property
+    def gpu_share(self) -> float:
+        """The GPU memory fraction one replica takes (0: not on a GPU). Every GPU counts as one
+        card, as the sum check (MAX_GPU_FRACTION_SUM) does."""
+        if not self.local or self.device == "cpu":
+            return 0.0
+        return self.gpu_memory_fraction or 0.0
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    path: str
+    gateway: GatewaySettings
+    models: tuple[ModelConfig, ...]

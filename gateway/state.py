@@ -1,0 +1,173 @@
+"""The gateway's state: everything one gateway process knows and runs (router, health checks,
+proxy, limits, engine pool), built from a validated config and swapped to a new one on reload.
+Handlers reach it through ``request.app[GATEWAY_KEY]``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from gateway.access_log import AccessLog
+from gateway.auth import Authenticator
+from gateway.config import ConfigError, FleetConfig, load_config
+from gateway.config_watch import ConfigWatcher
+from gateway.health import HealthMonitor
+from gateway.metrics import GatewayMetrics
+from gateway.pool import ENGINE_LAUNCHER, EnginePool
+from gateway.proxy import Proxy
+from gateway.ratelimit import RateLimiter
+from gateway.router import Router
+
+log = logging.getLogger("modelyard.gateway")
+
+
+class Gateway:
+    """Everything one gateway process knows. Built from a validated config; ``reload`` swaps in a
+    new one only if it validates, so a bad edit leaves the running fleet as it was."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        config_path: str | None = None,
+        *,
+        spawn_engines: bool = True,
+        engine_cwd: str | None = None,
+        engine_launcher: tuple[str, ...] = ENGINE_LAUNCHER,
+    ) -> None:
+        self.config = config
+        self.spawn_engines = spawn_engines  # start engine processes for local (source) models
+        self.engine_cwd = engine_cwd
+        self.engine_launcher = engine_launcher  # the command before the engine's flags
+        self.config_path = config_path
+        self.started_at = int(time.time())
+        self.metrics = GatewayMetrics()
+        self.router = Router(on_backend_state=self.metrics.backend_changed)
+        self.limiter = RateLimiter()
+        self.auth = Authenticator(config.gateway.auth)
+        self.draining = False
+        # Listeners for config changes (the engine pool subscribes here).
+        self.on_config: list[Callable[[FleetConfig], object]] = []
+        self.session: aiohttp.ClientSession | None = None
+        self.pool: EnginePool | None = None
+        self.access_log = AccessLog()  # stdout
+        self.health: HealthMonitor
+        self.proxy: Proxy
+        self._reload_lock = asyncio.Lock()
+        self._watcher = ConfigWatcher(config_path)
+        self._watch_task: asyncio.Task[None] | None = None
+        self.router.apply(config)
+        self.limiter.configure(config)
+        for model in config.models:
+            self.metrics.declare_model(model.name)
+
+    async def start(self) -> None:
+        # Idle upstream connections close after 4 s, before common servers' own 5 s keep-alive
+        # limit (uvicorn), so the gateway never reuses a connection the upstream is closing.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
+        # No Accept-Encoding: upstreams answer uncompressed, so bytes pass through unchanged.
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+        gw = self.config.gateway
+        self.health = HealthMonitor(self.router, self.session, gw.health, gw.ejection)
+        self.proxy = Proxy(self.session, self.health, self.metrics, gw.retries)
+        self.health.sync()
+        if self.spawn_engines:
+            # In the background: the gateway answers (503 for models still loading) meanwhile.
+            self.pool = EnginePool(
+                self.set_backends,
+                self.router.find,
+                cwd=self.engine_cwd,
+                launcher=self.engine_launcher,
+            )
+            self.on_config.append(self.pool.apply_soon)
+            self.pool.apply_soon(self.config)
+        if self.config_path and gw.watch_config:
+            self._watch_task = asyncio.create_task(
+                self._watcher.run(lambda: self.reload_logged("file changed"))
+            )
+        if self.auth.open_mode:
+            log.warning(
+                "no API keys configured: open mode, serving loopback clients without authentication"
+            )
+
+    async def stop(self) -> None:
+        if self._watch_task:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        self.access_log.flush()
+        if self.pool is not None:
+            await self.pool.stop()
+        await self.health.close()
+        if self.session:
+            await self.session.close()
+
+    def set_backends(self, model: str, urls: list[str]) -> None:
+        """For the engine pool: the URLs now serving a local model."""
+        _, removed = self.router.set_backends(model, urls)
+        self.health.sync(removed)
+
+    async def reload(self) -> FleetConfig:
+        """Reloads models.yaml; raises ConfigError (and changes nothing) if it is invalid."""
+        if not self.config_path:
+            raise ConfigError(["no config file to reload (the gateway was started from a dict)"])
+        async with self._reload_lock:
+            self._watcher.mark_read()
+            try:
+                config = await asyncio.to_thread(load_config, self.config_path)
+            except ConfigError:
+                self.metrics.config_reloads.labels("rejected").inc()
+                raise
+            self.apply(config)
+            self.metrics.config_reloads.labels("applied").inc()
+            return config
+
+    async def reload_logged(self, why: str) -> None:
+        try:
+            config = await self.reload()
+        except ConfigError as exc:
+            log.error("config reload (%s) rejected, fleet unchanged:\n%s", why, exc)
+            return
+        log.info("config reloaded (%s): %d models", why, len(config.models))
+
+    def apply(self, config: FleetConfig) -> None:
+        old = self.config.gateway
+        new = config.gateway
+        if (old.host, old.port) != (new.host, new.port):
+            log.warning("listen address changes take effect after a restart")
+        if (old.max_header_bytes, old.clients) != (new.max_header_bytes, new.clients):
+            log.warning(
+                "header size limits and client connection limits change after a restart; the "
+                "body limit and body_timeout_s apply now"
+            )
+        removed = self.router.apply(config)
+        for model in config.models:
+            self.metrics.declare_model(model.name)
+        self.health.configure(new.health, new.ejection)
+        self.health.sync(removed)
+        self.limiter.configure(config)
+        self.auth = Authenticator(new.auth)
+        if new.retries != old.retries:
+            self.proxy.configure(new.retries)
+        self.config = config
+        for listener in self.on_config:
+            listener(config)
+
+    def ready(self) -> tuple[bool, dict[str, bool]]:
+        models = {
+            name: any(b.available for b in route.backends)
+            for name, route in self.router.routes.items()
+        }
+        return (not self.draining and any(models.values())), models
+
+
+GATEWAY_KEY = web.AppKey("gateway", Gateway)

@@ -1,0 +1,1 @@
+"""Engine tests: the engine package in-process, and `python -m engine` as a subprocess."""

@@ -1,0 +1,158 @@
+"""Model loading: clear errors, dtype/device choice, and the GGUF conversion cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import T5Config, ViTConfig
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.model import loader
+from engine.model.loader import converted_gguf_dir, load_model
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "cache"
+    monkeypatch.setenv("MODELYARD_CACHE_DIR", str(path))
+    return path
+
+
+def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(EngineConfig(model=str(tmp_path / "nowhere")))
+
+
+def test_folder_without_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        load_model(EngineConfig(model=str(tmp_path)))
+
+
+def test_missing_gguf_file_in_folder(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(EngineConfig(model=str(tmp_path), gguf_file="model.gguf"))
+
+
+@pytest.mark.parametrize("config", [ViTConfig(), T5Config()], ids=["vision", "encoder-decoder"])
+def test_unsupported_architecture(tmp_path: Path, config: object) -> None:
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        load_model(EngineConfig(model=str(tmp_path)))
+
+
+def test_gguf_without_gguf_package(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf_path = tmp_path / "model.gguf"
+    gguf_path.write_bytes(b"GGUF" + bytes(64))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "gguf" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModelLoadError, match="needs the `gguf` package"):
+        load_model(EngineConfig(model=str(gguf_path)))
+
+
+def test_local_folder_loads_in_fp32_on_cpu(tiny_llama_dir: Path) -> None:
+    loaded = load_model(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
+    assert loaded.dtype == torch.float32
+    assert loaded.device.type == "cpu"
+    assert loaded.eos_token_ids == {loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    assert (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim) == (2, 2, 16)
+    assert not loaded.model.training
+
+
+def test_explicit_dtype(tiny_llama_dir: Path) -> None:
+    loaded = load_model(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="bfloat16"))
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        load_model(EngineConfig(model=str(tiny_llama_dir), dtype="float8"))
+
+
+class _FakeConverter:
+    """Stands in for transformers' (slow) GGUF conversion; records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[Path] = []
+
+    def __call__(self, gguf_path: Path, target: Path) -> None:
+        self.calls.append(gguf_path)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text(json.dumps({"from": gguf_path.name}))
+
+
+def test_gguf_cache_keyed_by_content(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    convert = _FakeConverter()
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    hashes: list[Path] = []
+    real_hash = loader.file_sha256
+    monkeypatch.setattr(loader, "file_sha256", lambda p: hashes.append(p) or real_hash(p))
+    original = tmp_path / "a.gguf"
+    original.write_bytes(os.urandom(3000))
+
+    first = converted_gguf_dir(original)
+    assert convert.calls == [original]
+    assert first.parent == cache_dir / "gguf" and first.name == real_hash(original)
+    hashes.clear()
+    assert converted_gguf_dir(original) == first  # restart: no conversion, no re-hashing
+    assert convert.calls == [original] and hashes == []
+
+    copy = tmp_path / "copy.gguf"  # same bytes elsewhere: hashed once, same converted copy
+    copy.write_bytes(original.read_bytes())
+    assert converted_gguf_dir(copy) == first
+    assert convert.calls == [original]
+
+    original.write_bytes(os.urandom(3001))  # new content: a new conversion
+    second = converted_gguf_dir(original)
+    assert second != first and convert.calls == [original, original]
+    assert not list((cache_dir / "gguf").glob(".tmp-*"))
+
+
+def test_gguf_changed_during_conversion_is_not_cached(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf_path = tmp_path / "m.gguf"
+    gguf_path.write_bytes(b"one")
+
+    def convert_and_modify(path: Path, target: Path) -> None:
+        _FakeConverter()(path, target)
+        path.write_bytes(b"two")
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert_and_modify)
+    with pytest.raises(ModelLoadError, match="changed while being converted"):
+        converted_gguf_dir(gguf_path)
+    assert not any((cache_dir / "gguf").iterdir())
+
+
+@pytest.mark.smollm2
+def test_smollm2_gguf_converts_once_then_loads_fast(
+    smollm2_gguf: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = load_model(EngineConfig(model=str(smollm2_gguf), num_threads=2))
+    assert Path(first.source).parent == cache_dir / "gguf"
+    assert first.eos_token_ids == {2}
+    assert first.tokenizer.chat_template
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
+    started = time.monotonic()
+    second = load_model(EngineConfig(model=str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name))
+    assert time.monotonic() - started < 15
+    assert second.source == first.source
+    for (name, a), (_, b) in zip(
+        first.model.state_dict().items(), second.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
