@@ -2,9 +2,11 @@
 
 Sections (select with --sections; sizes are flags so that a slow CPU can run each one):
 - limit:  the model's bare linear layers on the device's fast path at batch B vs the engine's whole
-          decode step at B, the step broken into forward / attention / scheduling / sampling; and
-          the K/V bytes attention reads per step against a plain read of memory, sequential and
-          block by block through the block tables (the floor no attention kernel gets under).
+          decode step at B, the step broken into the spans of the engine's step profile
+          (engine/model/step_profile.py: schedule, batch, forward with attention and the qkv GEMMs
+          run inside it, sample, postprocess); and the K/V bytes attention reads per step against
+          a plain read of memory, sequential and block by block through the block tables (the
+          floor no attention kernel gets under).
 - hf:     16 requests x 128 output tokens: engine vs transformers generate() sequentially and as one
           static padded batch.
 - mixed:  64 requests with mixed prompt (16-512) and output (16-256) lengths arriving over time:
@@ -33,8 +35,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# OpenMP threads that spin-wait collapse when the cores are shared (10-50x slower GEMMs seen on
-# a busy 2-core box); passive waiting costs little otherwise. Must be set before torch loads.
+# OpenMP threads that spin-wait collapse when the cores are shared (figures:
+# docs/PERFORMANCE.md#openmp-wait-policy); passive waiting costs little otherwise. Must be set
+# before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
@@ -50,6 +53,7 @@ from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.model.cpu.kernels.build import available  # noqa: E402
 from engine.model.cpu.kernels.paged_decode import read_paged_kv  # noqa: E402
 from engine.model.cpu.linear import PrepackedLinear, StepGemms  # noqa: E402
+from engine.model.step_profile import ATTENTION, FORWARD, StepProfile  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SECTIONS = ("limit", "hf", "mixed", "prefix", "memory")
@@ -128,13 +132,6 @@ def model_linears(core: EngineCore) -> list[nn.Module]:
     """The engine's linear modules in execution order (prepacked on CPU, nn.Linear on CUDA)."""
     kinds = (PrepackedLinear, nn.Linear)
     return [m for m in core.runner.model.modules() if isinstance(m, kinds)]
-
-
-def qkv_linears(core: EngineCore) -> list[nn.Module]:
-    """The fused qkv projections, whose time the kernel's decode step books as attention's when it
-    runs them in the attention's parallel region (StepTimings.projected_layers)."""
-    modules = core.runner.model.named_modules()
-    return [m for name, m in modules if name.endswith("fused_q_k_v.gemm")]
 
 
 def linear_pass(core: EngineCore, modules: list[nn.Module], batch: int, packed: bool):
@@ -220,7 +217,8 @@ def paged_kv_read(core: EngineCore, kv_bytes_per_token: int) -> Callable[[], flo
 def bench_limit(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     core = make_core(args, max_num_seqs=max(batches))
-    core.runner.time_attention = True
+    profile: StepProfile = core.profile
+    profile.enabled = True
     linears = model_linears(core)
     read_gb_per_s = memory_read_gb_per_s(core.runner.device)
     spec = core.runner.spec
@@ -244,23 +242,21 @@ def bench_limit(args: argparse.Namespace) -> dict:
         core.step()
         packed_pass = linear_pass(core, linears, batch, packed=True)
         plain_pass = linear_pass(core, linears, batch, packed=False)
-        qkv_pass = linear_pass(core, qkv_linears(core), batch, packed=True)
         read_pass = paged_kv_read(core, kv_bytes_per_token)
         # Steady state of each, in alternating blocks so that load from other processes hits all
         # alike: a block of consecutive engine steps, then of bare linear passes, of plain
-        # F.linear passes, of bare qkv passes and of paged K/V reads; the first of each block is a
-        # warm-up (caches hold the previous block's data). Medians of the rest.
-        steps, packed, plain, qkv, reads = [], [], [], [], []
+        # F.linear passes and of paged K/V reads; the first of each block is a warm-up (caches
+        # hold the previous block's data). Medians of the rest.
+        steps, packed, plain, reads = [], [], [], []
         kinds = [(steps, lambda: timed_step(core)), (packed, packed_pass), (plain, plain_pass)]
-        kinds += [(qkv, qkv_pass)] + ([(reads, read_pass)] if read_pass else [])
+        kinds += [(reads, read_pass)] if read_pass else []
         context_before = sum(s.num_tokens for s in core.scheduler.running)
-        core.timings.reset()
+        profile.reset()
         for _ in range(args.limit_rounds):
             for samples, run in kinds:
                 run()
                 samples.extend(run() for _ in range(args.limit_steps))
-        t = core.timings  # every step of the blocks, warm-ups included
-        assert t.steps == total_steps
+        assert profile.steps == total_steps  # every step of the blocks, warm-ups included
         context_after = sum(s.num_tokens for s in core.scheduler.running)
         kv_bytes = (context_before + context_after) / 2 * kv_bytes_per_token  # mean per step
         attention_floor_s = kv_bytes / (read_gb_per_s * 1e9)
@@ -268,12 +264,10 @@ def bench_limit(args: argparse.Namespace) -> dict:
         for i in range(batch):
             core.abort(f"limit-{batch}-{i}")
         step_s, linear_s = statistics.median(steps), statistics.median(packed)
-        n = t.steps
-        forward_s = t.forward_s / n
-        # attention per step, less the share of the bare qkv GEMMs that ran inside its calls
-        projected = t.projected_layers / (n * spec.num_layers)
-        qkv_inside_s = projected * statistics.mean(qkv)
-        attention_s = t.attention_s / n - qkv_inside_s
+        per_step_ms = profile.per_step_ms()
+        # attention's own time: its calls less the qkv GEMMs the fused decode calls ran inside
+        attention_s = profile.self_seconds(ATTENTION) / profile.steps
+        forward_s = profile.seconds(FORWARD) / profile.steps
         row = {
             "batch": batch,
             "context_tokens": args.limit_context,
@@ -293,24 +287,18 @@ def bench_limit(args: argparse.Namespace) -> dict:
             "step_over_linears_paged_floor": (
                 round((linear_s + paged_floor_s) / linear_s, 3) if reads else None
             ),
-            "breakdown_ms_mean": {  # over all steps, block warm-ups included
-                "step": round(statistics.mean(steps) * 1e3, 2),
-                "forward_total": round(forward_s * 1e3, 2),
-                "forward_linears": round(statistics.mean(packed) * 1e3, 2),
-                "attention": round(attention_s * 1e3, 2),
-                # the attention calls' own time, with the qkv GEMMs run inside them
-                "attention_calls": round(t.attention_s / n * 1e3, 2),
-                "qkv_gemms_inside_attention": round(qkv_inside_s * 1e3, 2),
-                # norms, rotary, activations, batch building, transformers' Python
-                "forward_rest": round((forward_s - attention_s - statistics.mean(packed)) * 1e3, 2),
-                "scheduling": round(t.schedule_s / n * 1e3, 3),
-                "sampling": round(t.sample_s / n * 1e3, 3),
-                "postprocess": round(t.postprocess_s / n * 1e3, 3),
+            # the step profile's spans, ms per step over all steps, block warm-ups included
+            "step_profile_ms_mean": {path: round(ms, 3) for path, ms in per_step_ms.items()},
+            "forward_breakdown_ms_mean": {
+                "linears": round(statistics.mean(packed) * 1e3, 2),  # bare passes, qkv included
+                "attention_without_qkv": round(attention_s * 1e3, 2),
+                # norms, rotary, activations, metadata, transformers' Python
+                "rest": round((forward_s - attention_s - statistics.mean(packed)) * 1e3, 2),
             },
             "decode_tokens_per_s": round(batch / step_s, 1),
             "attention_gb_per_s": round(kv_bytes / attention_s / 1e9, 1),
         }
-        log(f"limit B={batch}: {row}")
+        log(f"limit B={batch}: {row}\nstep profile, B={batch}:\n{profile.report()}")
         results.append(row)
     return {
         "num_prepacked_linears": core.runner.cpu.num_prepacked if core.runner.cpu else 0,

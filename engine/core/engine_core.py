@@ -8,7 +8,7 @@ it from its own thread.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ from engine.core.sequence import CompletionOutput, RequestOutput, Sequence, Toke
 from engine.errors import InvalidRequestError
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
+from engine.model.step_profile import BATCH, FORWARD, POSTPROCESS, SAMPLE, SCHEDULE
 
 
 @dataclass
@@ -38,23 +39,6 @@ class EngineStats:
     generation_tokens: int
     num_blocks: int
     block_size: int
-
-
-@dataclass
-class StepTimings:
-    """Cumulative wall time per phase of step() (benchmarks read and reset it)."""
-
-    steps: int = 0
-    schedule_s: float = 0.0
-    forward_s: float = 0.0  # runner.execute: batch building + model forward, attention included
-    attention_s: float = 0.0  # inside forward; measured only when runner.time_attention is on
-    projected_layers: int = 0  # attention calls whose time includes their layer's qkv GEMM
-    sample_s: float = 0.0
-    postprocess_s: float = 0.0  # finish_step, appending, detokenizing, stop checks, outputs
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, f.default)
 
 
 @dataclass
@@ -83,7 +67,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
-        self.timings = StepTimings()
+        # where a step's time goes, off until a benchmark turns it on (engine.model.step_profile)
+        self.profile = self.runner.profile
         self._requests: dict[str, _Request] = {}
         self._next_seq_id = 0
         self._prompt_tokens = 0
@@ -159,34 +144,28 @@ class EngineCore:
     # ---------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the deltas of every request that made progress."""
-        t0 = time.perf_counter()
+        laps = self.profile.laps()  # books the spans while profiling is on, else nothing
         out = self.scheduler.schedule()
-        t1 = time.perf_counter()
         if out.is_empty:
             return []
-        logits = self.runner.execute(out.to_step_batch())
-        t2 = time.perf_counter()
+        laps.lap(SCHEDULE)
+        batch = out.to_step_batch()
+        laps.lap(BATCH)
+        logits = self.runner.execute(batch)
+        laps.lap(FORWARD)
         to_sample = self.scheduler.finish_step(out)
         outputs: list[RequestOutput] = []
-        sample_s = 0.0
         if to_sample:
             seqs = [seq for seq, _ in to_sample]
             rows = [row for _, row in to_sample]
             if rows != list(range(logits.shape[0])):  # n>1 siblings share their leader's row
                 logits = logits[torch.tensor(rows, device=logits.device)]
-            t3 = time.perf_counter()
+            laps.lap(POSTPROCESS)
             token_ids, logprobs = self.sampler(logits, seqs)
-            sample_s = time.perf_counter() - t3
+            laps.lap(SAMPLE)
             outputs = self._process(seqs, token_ids, logprobs)
-        t5 = time.perf_counter()
-        timings = self.timings
-        timings.steps += 1
-        timings.schedule_s += t1 - t0
-        timings.forward_s += t2 - t1
-        timings.attention_s += self.runner.last_attention_s
-        timings.projected_layers += self.runner.last_projected_layers
-        timings.sample_s += sample_s
-        timings.postprocess_s += t5 - t2 - sample_s
+        laps.lap(POSTPROCESS)
+        laps.end_step()
         return outputs
 
     def _process(

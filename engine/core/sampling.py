@@ -4,7 +4,8 @@ The sampler runs once per engine step, so each stage only runs for the rows that
 all-greedy batch without penalties or logprobs is a single max over the logits. Logits arrive in
 the model's dtype; what is computed on them (penalties, softmax, logprobs) runs in fp32 on the rows
 that need it, while a max reads them as they are (widening to fp32 is exact, so it picks the same
-token): for a bf16 model at batch 64 this saved converting 3M logits (1 ms) every step.
+token): a bf16 model no longer converts its whole logits matrix every step (figures:
+docs/PERFORMANCE.md#step-bookkeeping).
 
 Sampling is inverse-CDF with one uniform number per row. A seeded row derives its number from
 (seed, choice index, output position) alone, so its tokens do not depend on which other sequences
@@ -242,7 +243,8 @@ def _token_keys(
     token_lists: list[list[int]], rows: list[int], vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct (row * vocab + token) keys of the tokens in each row's list, with their counts."""
-    flat_ids = array("q")  # builds the tensor ~2x faster than torch.tensor(list)
+    # quicker to a tensor than torch.tensor(list) (docs/PERFORMANCE.md#step-bookkeeping)
+    flat_ids = array("q")
     for ids in token_lists:
         flat_ids.extend(ids)
     tokens = (

@@ -1,8 +1,8 @@
 """Load a causal LM and its tokenizer from a local HF folder or a GGUF file, offline.
 
-GGUF files are parsed and dequantised by transformers, which is slow (tens of seconds to minutes),
-so the first load writes a converted copy (safetensors + config + tokenizer) into a cache keyed by
-the file's sha256; later loads read that copy in about a second.
+GGUF files are parsed and dequantised by transformers, which is slow, so the first load writes a
+converted copy (safetensors + config + tokenizer) into a cache keyed by the file's sha256; later
+loads read that copy, many times faster (figures: docs/PERFORMANCE.md#model-loading).
 """
 
 from __future__ import annotations

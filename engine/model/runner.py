@@ -26,6 +26,7 @@ from engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for
 from engine.model.loader import LoadedModel, resolve_dtype
 from engine.model.step_batch import StepBatch
 from engine.model.step_context import StepContext
+from engine.model.step_profile import StepProfile
 from engine.model.transformers_attention import CONTEXT_KWARG, use_paged_attention
 
 if TYPE_CHECKING:
@@ -50,9 +51,7 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = config.block_size
-        self.time_attention = False  # benchmarks turn this on for the step breakdown
-        self.last_attention_s = 0.0
-        self.last_projected_layers = 0  # of them, calls that also ran the layer's qkv GEMM
+        self.profile = StepProfile()  # off: benchmarks turn it on (engine.model.step_profile)
         # CPU: thread count and prepacked linears (None on other devices)
         self.cpu = prepare_cpu_fast_path(self.model, self.device, loaded.dtype, config)
         use_paged_attention(self.model)
@@ -194,15 +193,16 @@ class ModelRunner:
         """Run the step; logits [R, vocab] (the model's dtype) for its ``sample_rows``."""
         if batch.copy_ops:
             self._copy_blocks(batch.copy_ops)
-        ctx = self._context(batch, self.kv_caches)
-        logits = self._forward(batch, ctx)
-        self.last_attention_s = ctx.attention_s
-        self.last_projected_layers = ctx.projected_layers
-        return logits
+        profile = self.profile if self.profile.enabled else None
+        return self._forward(batch, self._context(batch, self.kv_caches, profile))
 
     def _context(
-        self, batch: StepBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        batch: StepBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        profile: StepProfile | None = None,
     ) -> StepContext:
+        """The step's StepContext; its attention calls are booked in ``profile`` when given."""
         meta = AttentionMetadata.from_lists(
             batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, self.device
         )
@@ -210,7 +210,7 @@ class ModelRunner:
             meta=meta,
             kv_caches=kv_caches,
             backend=self.attention_backend,
-            time_attention=self.time_attention,
+            profile=profile,
         )
 
     def compute_threads(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:

@@ -1,5 +1,5 @@
 """What every attention call of one forward reads: the step's layout, the KV pools, the backend,
-and the step's attention bookkeeping (time, layers called)."""
+and the step's attention bookkeeping (layers called; time, into the step profile when it is on)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from engine.model.attention.backends import paged_attention
 from engine.model.attention.metadata import AttentionMetadata
 from engine.model.cpu.attention import fused_decode_step
 from engine.model.cpu.kernels.panel_gemm import PanelOperands
+from engine.model.step_profile import ATTENTION, QKV_IN_ATTENTION, StepProfile
 
 
 @dataclass
@@ -22,10 +23,8 @@ class StepContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: str  # the model's attention backend (engine.model.attention.backends)
-    time_attention: bool = False
-    attention_s: float = 0.0
+    profile: StepProfile | None = None  # set while profiling: attention calls are timed into it
     layers_called: set[int] = field(default_factory=set)
-    projected_layers: int = 0  # attention calls that also ran their layer's qkv GEMM
 
     def attend(
         self,
@@ -39,7 +38,7 @@ class StepContext:
     ) -> torch.Tensor:
         """Paged attention of one layer: query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
         k_cache, v_cache = self.kv_caches[layer]
-        started = time.perf_counter() if self.time_attention else 0.0
+        started = time.perf_counter() if self.profile is not None else 0.0
         out = paged_attention(
             query,
             key,
@@ -56,10 +55,10 @@ class StepContext:
 
     def _attended(self, layer: int, started: float, out: torch.Tensor) -> torch.Tensor:
         """Book a layer's attention call that began at ``started``; returns its output."""
-        if self.time_attention:
+        if self.profile is not None:
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
-            self.attention_s += time.perf_counter() - started
+            self.profile.add(ATTENTION, time.perf_counter() - started)
         self.layers_called.add(layer)
         return out
 
@@ -70,12 +69,15 @@ class StepContext:
         taking the layer's unrotated qkv rows [B, (Hq + 2 Hkv) * D] and doing rotary (``rotary``:
         cos/sin [B, D]), the cache write and attention in one call, returning [B, Hq, D]. ``qkv``
         may also be the qkv projection's panel GEMM
-        (engine.model.cpu.linear.StepGemms.panel_operands), which then runs in the same call; its
-        time then counts as attention's. None: use `attend` (another backend, or see
-        engine.model.cpu.attention.fused_decode_step)."""
+        (engine.model.cpu.linear.StepGemms.panel_operands), which then runs in the same call; the
+        profile books its time inside attention's (QKV_IN_ATTENTION). None: use `attend` (another
+        backend, or see engine.model.cpu.attention.fused_decode_step)."""
         if self.backend != "cpu":
             return None
-        step = fused_decode_step(self.meta, self.kv_caches[0][0], rotary, q_heads, dtype)
+        profile = self.profile
+        step = fused_decode_step(
+            self.meta, self.kv_caches[0][0], rotary, q_heads, dtype, profile is not None
+        )
         if step is None:
             return None
 
@@ -83,9 +85,10 @@ class StepContext:
             layer: int, qkv: torch.Tensor | PanelOperands, scale: float, window: int | None
         ) -> torch.Tensor:
             k_cache, v_cache = self.kv_caches[layer]
-            started = time.perf_counter() if self.time_attention else 0.0
-            if not isinstance(qkv, torch.Tensor):
-                self.projected_layers += 1
-            return self._attended(layer, started, step(qkv, k_cache, v_cache, scale, window, None))
+            started = time.perf_counter() if profile is not None else 0.0
+            out = step(qkv, k_cache, v_cache, scale, window, None)
+            if profile is not None and not isinstance(qkv, torch.Tensor):
+                profile.add(QKV_IN_ATTENTION, step.projection_s)
+            return self._attended(layer, started, out)
 
         return attend

@@ -407,6 +407,37 @@ def test_projection_in_the_attention_region_equals_the_two_calls(
     assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches, strict=True))
 
 
+@pytest.mark.skipif(
+    panel_gemm.pack(torch.zeros(1, 1)) is None, reason="no AVX-512: no panel GEMM here"
+)
+@pytest.mark.parametrize("time_projection", [True, False])
+def test_projection_time_is_written_only_when_asked(time_projection):
+    """With time_projection, a call given the qkv panel GEMM reports the projection's time (part
+    of the call's); without, the kernel leaves it alone (the step profile off)."""
+    q_heads, kv_heads, head_dim, hidden = 9, 3, 64, 96
+    batch = make_batch(
+        [1] * len(RAGGED), RAGGED, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+        block_size=16, seed=3,
+    )  # fmt: skip
+    width = (q_heads + 2 * kv_heads) * head_dim
+    packed = panel_gemm.pack(torch.randn(width, hidden))
+    x, rows = torch.randn(len(RAGGED), hidden), torch.empty(len(RAGGED), width)
+    angles = torch.rand(len(RAGGED), head_dim)
+    step = paged_decode.DecodeStep(
+        batch.meta.block_tables, batch.meta.seq_lens, q_heads=q_heads, kv_heads=kv_heads,
+        head_dim=head_dim, block_size=16, kv_dtype=torch.float32, num_threads=2,
+        slots=batch.meta.slot_mapping, rotary=(angles.cos(), angles.sin()),
+        time_projection=time_projection,
+    )  # fmt: skip
+    started = time.perf_counter()
+    step((x, packed, width, None, rows, 2), batch.k_cache, batch.v_cache, 0.125, None, None)
+    call_s = time.perf_counter() - started
+    if time_projection:
+        assert 0 < step.projection_s <= call_s
+    else:
+        assert step.projection_s == 0.0
+
+
 def _xor_words(rows: torch.Tensor) -> int:
     """XOR of a tensor's bytes taken as little-endian 64-bit words."""
     words = rows.contiguous().view(torch.uint8).view(-1, 8).to(torch.int64)

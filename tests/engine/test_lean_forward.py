@@ -21,6 +21,7 @@ from engine.model.cpu.attention import fused_decode_step
 from engine.model.cpu.kernels import panel_gemm
 from engine.model.cpu.kernels.build import available
 from engine.model.cpu.lean_forward import LeanLlamaForward
+from engine.model.step_profile import QKV_IN_ATTENTION
 
 
 def make_core(model_dir: Path) -> EngineCore:
@@ -63,8 +64,8 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(
     with the qkv projection inside it where the panel GEMM runs."""
     fused_steps = []
 
-    def counting_fused_decode_step(*args):
-        step = fused_decode_step(*args)
+    def counting_fused_decode_step(*args, **kwargs):
+        step = fused_decode_step(*args, **kwargs)
         fused_steps.append(step is not None)
         return step
 
@@ -79,7 +80,9 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(
         core.add_request(f"r{i}", prompt, params)
     original_execute = core.runner.execute
     compared = 0
-    projected = []
+    projected = []  # per lean step, attention calls that also ran their layer's qkv GEMM
+    profile = core.profile
+    profile.enabled = True
 
     def execute_both(batch):
         nonlocal compared
@@ -90,8 +93,9 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(
             k.copy_(k0)
             v.copy_(v0)
         core.runner.lean = lean
+        before = profile.calls(QKV_IN_ATTENTION)
         logits = original_execute(batch)
-        projected.append(core.runner.last_projected_layers)
+        projected.append(profile.calls(QKV_IN_ATTENTION) - before)
         torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
         compared += 1
         return logits

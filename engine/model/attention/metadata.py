@@ -43,8 +43,8 @@ class AttentionMetadata:
         """
         if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
             raise ValueError("query_lens, seq_lens and block_tables must be non-empty, same length")
-        # Host lists, then one tensor each: ~15 small torch ops here cost ~250 us per step
-        # (batch 16), more than this Python walk over the new tokens.
+        # Host lists, then one tensor each: the ~15 small torch ops this replaced cost more per
+        # step than this Python walk over the new tokens (docs/PERFORMANCE.md#step-bookkeeping).
         slots: list[int] = []
         starts = [0]
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):

@@ -26,8 +26,8 @@ _MAX_PADDING_RATIO = 2.0
 # Score elements (fp32) the soft-capped matmul path materialises at once before it splits queries.
 _MAX_SCORE_ELEMENTS = 1 << 25
 # Inside engine.model.cpu.threads.split_threads, attention runs multi-threaded from this many
-# query x key multiply-adds (decode at batch 16, context 128 is faster on one thread, batch 64 on
-# two).
+# query x key multiply-adds: smaller calls are faster on one thread than they gain from waking the
+# others (where it crossed over: docs/PERFORMANCE.md#thread-wake-ups).
 _PARALLEL_MACS = 2e6
 _PARALLEL_GATHER_ELEMENTS = 1e6
 
@@ -202,7 +202,7 @@ def _causal_attention(
     query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup, scale: float
 ) -> torch.Tensor:
     """_attend_group for _fresh_equal_prompts: SDPA's own causal mask and GQA, which skip the
-    masked half of the scores (1000-token SmolLM2 prompt: 9.1 instead of 13.3 ms a layer)."""
+    masked half of the scores (figures: docs/PERFORMANCE.md#torch-attention)."""
     num_seqs, length = len(group.seq_lens), group.query_lens[0]
     q = query if group.rows is None else query.index_select(0, group.rows)
     q = q.view(num_seqs, length, *query.shape[1:]).transpose(1, 2)  # [B, Hq, L, D]
@@ -260,7 +260,7 @@ _workspaces = threading.local()
 
 def _workspace(cache: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Reused gather buffers (kept at the largest size seen): fresh multi-MB tensors in every layer
-    cost page faults on CPU, which measured up to ~3x slower at batch 64, context 1024."""
+    cost page faults on CPU (figures: docs/PERFORMANCE.md#torch-attention)."""
     store = _workspaces.__dict__.setdefault("buffers", {})
     key = (cache.device, cache.dtype, tuple(cache.shape[1:]))
     buffers = store.get(key)
@@ -310,7 +310,8 @@ def _mask(
 def _additive_mask(
     group: AttentionGroup, mask: torch.Tensor, sliding_window: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The mask as 0 / -inf scores: SDPA on CPU runs ~20% faster with it than with booleans."""
+    """The mask as 0 / -inf scores: SDPA on CPU runs faster with it than with booleans (figures:
+    docs/PERFORMANCE.md#torch-attention)."""
     key = ("bias", sliding_window, mask.shape, dtype)
     bias = group.derived.get(key)
     if bias is None:

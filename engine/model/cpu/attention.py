@@ -19,10 +19,9 @@ from engine.model.cpu.kernels.build import available
 from engine.model.cpu.threads import all_threads, threads_for
 
 # The C decode kernel runs multi-threaded from this many visible-key x query-head x head-dim
-# multiply-adds (per pass over K or V). Measured (passive wait policy, SmolLM2 shapes, context
-# 144): batch 8 is even (153 us on one thread, 140 on two), batch 12 faster on two (262 vs 187).
-# A lone sequence splits only by KV head (3 tasks for SmolLM2) and at context 2048 is still faster
-# on one thread (289 vs 399 us): the thread wake-up is not amortised there.
+# multiply-adds (per pass over K or V): about where two threads begin to beat one once the wake-up
+# is paid. A lone sequence splits only by KV head (3 tasks for SmolLM2), too few to amortise the
+# wake-up even at long contexts (figures: docs/PERFORMANCE.md#thread-wake-ups).
 _KERNEL_PARALLEL_MACS = 1e6
 
 
@@ -108,6 +107,7 @@ def fused_decode_step(
     rotary: tuple[torch.Tensor, torch.Tensor],
     q_heads: int,
     dtype: torch.dtype,
+    time_projection: bool = False,
 ) -> paged_decode.DecodeStep | None:
     """A decode-only step's per-layer rotary + cache write + attention as one C call each, for a
     step of the "cpu" backend (the caller checks that it is the backend in use) where the kernel
@@ -115,7 +115,8 @@ def fused_decode_step(
     caller rotates q/k and calls `paged_attention`.
 
     rotary: cos/sin [B, head_dim] of the step's tokens (rotate-half convention, as
-    engine.model.cpu.kernels.fused_ops.FusedOps.rope takes them)."""
+    engine.model.cpu.kernels.fused_ops.FusedOps.rope takes them). time_projection: the calls that
+    run the qkv projection also time it (DecodeStep.projection_s), for the step profile."""
     if (
         not meta.is_decode_only
         or dtype not in (torch.float32, torch.bfloat16)
@@ -139,4 +140,5 @@ def fused_decode_step(
         act_dtype=dtype,
         slots=meta.slot_mapping,
         rotary=rotary,
+        time_projection=time_projection,
     )

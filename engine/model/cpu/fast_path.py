@@ -28,7 +28,7 @@ from engine.model.cpu.threads import split_threads
 # torch parallelises an elementwise op from this many elements (at::internal::GRAIN_SIZE).
 _ELEMENTWISE_GRAIN = 32768
 # From this many elements per activation row set (tokens x hidden) the elementwise ops are big
-# enough to pay for waking the other threads (SiLU over 1024 x 1536: 1.3 ms on one thread).
+# enough to pay for waking the other threads (figures: docs/PERFORMANCE.md#thread-wake-ups).
 _ELEMENTWISE_PARALLEL = 256 * 576
 
 
@@ -47,7 +47,8 @@ class CpuFastPath:
         ``_ELEMENTWISE_GRAIN`` elements), they run on one thread and only GEMMs and big attention
         calls on every thread, until they are big enough to gain from every thread themselves
         (``_ELEMENTWISE_PARALLEL``, prefill-sized steps); below the grain, switching thread counts
-        per GEMM costs more (~3%) than it saves, so everything keeps every thread."""
+        per GEMM costs more than it saves (docs/PERFORMANCE.md#thread-wake-ups), so everything
+        keeps every thread."""
         elements = num_tokens * self._hidden_size
         if self.threads > 1 and _ELEMENTWISE_GRAIN <= elements < _ELEMENTWISE_PARALLEL:
             return split_threads(self.threads)

@@ -1,13 +1,10 @@
 """CPU tensors carved from memory advised for transparent huge pages.
 
 The panel GEMM streams every fp32 weight of the model once per decode step: on 4 KiB pages that is a
-TLB miss every 4 KiB of weights. With SmolLM2's panels on 2 MiB pages (526 of 540 MB) its bare
-decode linears took 45.9 instead of 48.6 ms at batch 16 and 88.6 instead of 90.3 at 64 (means of
-four interleaved runs); back-to-back decode steps at batch 16 took 49.6-53.2 instead of 54.1-58.9
-ms, at batch 1 32.5-33.1 instead of 33.3-34.4, at 64 no change beyond the noise. Only 2 MiB-aligned
-stretches of a mapping get huge pages, so small tensors share large mappings. Where the kernel
-offers no THP for advised memory the advice changes nothing; the tensors are ordinary memory either
-way.
+TLB miss every 4 KiB of weights, which 2 MiB pages spare (figures: docs/PERFORMANCE.md#huge-pages).
+Only 2 MiB-aligned stretches of a mapping get huge pages, so small tensors share large mappings.
+Where the kernel offers no THP for advised memory the advice changes nothing; the tensors are
+ordinary memory either way.
 """
 
 from __future__ import annotations

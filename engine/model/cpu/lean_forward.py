@@ -1,8 +1,8 @@
 """A lean forward for Llama-family decoders on the CPU fast path.
 
 transformers' eager forward spends more time in per-op dispatch and Python (views, transposes,
-hooks, the attention interface, rotary helpers) than SmolLM2's small layers spend computing: ~20 ms
-of a 64 ms batch-1 decode step here. For the architectures whose layer is exactly
+hooks, the attention interface, rotary helpers) than SmolLM2's small layers spend computing
+(figures: docs/PERFORMANCE.md#per-op-overhead). For the architectures whose layer is exactly
 ``x += o(attn(rope(qkv(norm(x))))); x += down(silu(gate(norm(x))) * up(norm(x)))`` this module runs
 the same math with a fixed, minimal op sequence over the model's own (prepacked, fused) weights.
 
@@ -132,7 +132,8 @@ class LeanLlamaForward:
 class _RotaryTable:
     """transformers' cos/sin per position, computed by the model's own rotary module once for
     positions [0, n) (n doubling on demand) and gathered per step: a decode step's rotary went from
-    the module's ~10 ops (0.3 ms here) to two index_selects. Only for rotary types whose angles
+    the module's ~10 ops to two index_selects (docs/PERFORMANCE.md#per-op-overhead). Only for
+    rotary types whose angles
     depend on the position alone (not "dynamic"/"longrope", which rescale with the batch's length).
     The module computes each position independently, so the values are its own (up to the last
     bit where torch's scalar remainder loop and its vector lanes round a cos differently)."""

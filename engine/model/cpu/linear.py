@@ -4,14 +4,11 @@ On CPU, ``F.linear`` re-lays the weight out for oneDNN on every call; reordering
 (what inductor's weight freezing does) makes the model's GEMMs markedly faster from a few rows on.
 For decode-sized batches (up to kernels.panel_gemm.MAX_ROWS rows) fp32 weights also get
 a copy in the panel layout of the engine's own GEMM, faster still, called through `StepGemms` by
-the lean forward: a SmolLM2 decode step's linears took 27-29 ms instead of 37-39 at batch 1 (a
-plain-weight GEMV before), 53-55 instead of 57-58 at 16 and 91-94 instead of 106-114 at 64 (one
-A/B run), then with the kernel's weight prefetch 45-47 at 16 and 87-89 at 64 (another). Without
-the C kernels (no compiler, no AVX-512) a plain copy serves single rows instead. Either copy holds
-the linear weights a second time (+540 MB for SmolLM2 in fp32). bf16 weights (on CPUs with
-AVX512-BF16 or AMX) run every GEMM prepacked, single rows included: SmolLM2's linears at 64 rows
-took 24 ms in bf16 against 67 ms in fp32 here. On CUDA the plain ``nn.Linear`` already runs cuBLAS,
-so nothing is replaced there.
+the lean forward (figures: docs/PERFORMANCE.md#panel-gemm). Without the C kernels (no compiler,
+no AVX-512) a plain copy serves single rows instead. Either copy holds the linear weights a second
+time (+540 MB for SmolLM2 in fp32). bf16 weights (on CPUs with AVX512-BF16 or AMX) run every GEMM
+prepacked, single rows included, markedly faster than fp32 (docs/PERFORMANCE.md#bf16). On CUDA the
+plain ``nn.Linear`` already runs cuBLAS, so nothing is replaced there.
 """
 
 from __future__ import annotations
@@ -66,7 +63,7 @@ class PrepackedLinear(nn.Module):
         self.register_buffer("panel_weight", panels, persistent=False)
         self.paired = paired
         # A fresh copy: the loaded weight may live in file-backed memory, from which the batch-1
-        # GEMVs streamed ~22% slower.
+        # GEMVs streamed slower (docs/PERFORMANCE.md#panel-gemm).
         plain = None
         if weight.dtype == torch.float32 and panels is None:
             plain = weight.detach().clone()
@@ -79,8 +76,9 @@ class PrepackedLinear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         # Inside threads.split_threads, every GEMM gets all threads: per-GEMM thresholds that
-        # won in isolated micro-benchmarks (one thread below ~8M multiply-adds) lost ~10% of the
-        # model's GEMM time at batch 1, where weights stream from memory.
+        # won in isolated micro-benchmarks (one thread below ~8M multiply-adds) lost GEMM time in
+        # the model at batch 1, where weights stream from memory
+        # (docs/PERFORMANCE.md#thread-wake-ups).
         threads = all_threads()
         if self.panel_weight is not None and rows.shape[0] <= panel_gemm.MAX_ROWS:
             y = self.on_panels(rows.contiguous(), threads or torch.get_num_threads())
@@ -119,12 +117,12 @@ class StepGemms:
     """One forward pass's linears (``gemms(linear, x)`` for ``linear(x)``, ``gemms.silu_mul`` for
     an MLP's activated [gate; up]) with one output buffer per output width and kind, reused by
     every layer, each panel GEMM a single ctypes call. Between two GEMMs of a decode step the
-    module call's Python and torch work (reshape, allocation, thread bookkeeping) measured 35-45 us
-    per linear here, against ~2 us for the bare call: the weight stream evicts the interpreter's
-    code and data. A returned tensor is overwritten by the next call of the same width and kind,
-    so the caller consumes each one first (the lean forward does). Rows over panel_gemm.MAX_ROWS,
-    inputs not [rows, in_features] contiguous fp32 and linears without panels take the module
-    call."""
+    module call's Python and torch work (reshape, allocation, thread bookkeeping) costs many times
+    the bare call, as the weight stream evicts the interpreter's code and data (figures:
+    docs/PERFORMANCE.md#per-op-overhead). A returned tensor is overwritten by the next call of
+    the same width and kind, so the caller consumes each one first (the lean forward does). Rows
+    over panel_gemm.MAX_ROWS, inputs not [rows, in_features] contiguous fp32 and linears without
+    panels take the module call."""
 
     def __init__(self, rows: int, threads: int | None = None) -> None:
         """``threads``: the GEMMs' team; by default the current split's (threads.split_threads),

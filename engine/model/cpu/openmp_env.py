@@ -2,16 +2,15 @@
 libgomp reads these variables once, when it loads.
 
 Default: they sleep at once (``OMP_WAIT_POLICY=PASSIVE``). Engines share the machine's cores
-(several replicas, the gateway), and spinning workers made a contended 2-core decode step 10-50x
+(several replicas, the gateway), and spinning workers made a contended decode step many times
 slower. The price is a wake-up at every parallel region (each GEMM; a layer's decode attention
-shares its qkv projection's), 65-95 us on the 2-core VM we measure on, some 120 times per decode
-step.
+shares its qkv projection's), some 120 times per decode step.
 
 ``--spin-wait`` (the gateway passes it when it runs a single engine): workers spin for
 ``GOMP_SPINCOUNT`` = 10000 turns (~0.1 ms by libgomp's estimate of 100k per ms) before they sleep,
-which catches the next region of a step. Through ``make serve`` on that VM it gave 1.4x the tokens/s
-of one stream and 1.04-1.18x at 16 concurrent ones; two engines spinning on shared cores each ran
-1.7x slower instead. Whatever the environment already sets for either variable wins.
+which catches the next region of a step: faster for an engine alone on its cores, slower for
+engines that share them. Figures for both policies: docs/PERFORMANCE.md#openmp-wait-policy.
+Whatever the environment already sets for either variable wins.
 """
 
 from __future__ import annotations

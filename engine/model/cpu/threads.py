@@ -1,8 +1,8 @@
 """Per-op thread counts on CPU: parallel only where the work pays for waking threads.
 
-Waking a second OpenMP thread (passive wait policy, shared cores) was measured at ~100 us per
-parallel region here, more than a whole decode-sized RMSNorm, rotary or small GEMM costs on one
-thread (e.g. RMSNorm over 64x576: 340 us on 2 threads, 34 us on 1). Inside `split_threads` every
+Waking a second OpenMP thread (passive wait policy, shared cores) costs more per parallel region
+than a whole decode-sized RMSNorm, rotary or small GEMM takes on one thread (figures:
+docs/PERFORMANCE.md#thread-wake-ups). Inside `split_threads` every
 op runs single-threaded unless its caller asks for the full count (`all_threads`, or
 `threads_for` by work size): the engine's GEMMs and big attention calls do, the elementwise glue of
 the model does not.

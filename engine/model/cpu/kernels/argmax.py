@@ -6,7 +6,8 @@ import torch
 
 from engine.model.cpu.kernels.build import DTYPE_SUFFIXES, load
 
-# Logits from which argmax_rows splits rows over threads (a thread wake-up costs ~70 us here).
+# Logits from which argmax_rows splits rows over threads: below, waking a thread costs more than
+# the split saves (figures: docs/PERFORMANCE.md#thread-wake-ups).
 _ARGMAX_PARALLEL = 1 << 18
 
 

@@ -89,7 +89,7 @@ def _build_and_load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fused = lib.decode_qkv_attention
     fused.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64]
-    fused.argtypes += [ctypes.c_float, ctypes.c_int]
+    fused.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
     fused.restype = ctypes.c_int
     for suffix in DTYPE_SUFFIXES.values():
         norm, rope = getattr(lib, "add_rms_norm_" + suffix), getattr(lib, "rope_" + suffix)

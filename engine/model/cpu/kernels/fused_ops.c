@@ -114,8 +114,8 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 /* out[r] = the first index of row r's largest value, or of its first NaN if it has one (what
  * torch.max(dim=-1) answers): a greedy token per logits row. A vectorised max over the row (NaN
  * noted), then the search for its first position 64 elements at a time, from L2 (a row is a
- * vocabulary's worth). torch's max with indices took 2 ms for 64 x 49152 fp32 logits in a decode
- * step here. */
+ * vocabulary's worth), where torch's max with indices took a visible share of a decode step
+ * (figures: docs/PERFORMANCE.md#step-bookkeeping). */
 ROW_ROUTINE argmax_row(const void *x, int64_t *out, int64_t r, int64_t cols, const int bf16) {
     const int64_t at = r * cols, end = at + cols;
     float best = -INFINITY;

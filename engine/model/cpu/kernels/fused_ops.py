@@ -1,12 +1,12 @@
 """The lean forward's elementwise glue as single C calls (fp32/bf16 CPU), torch ops elsewhere.
 
-Between two GEMMs of a decode step each torch op costs ~10-60 us of dispatch here, much of it
-re-fetching code the GEMM's weight stream evicted from the caches; transformers' RMSNorm alone is ~6
-ops. One C call does the residual add and the norm, another the rotary embedding of every q/k head
-in place, a third the MLP's ``silu(gate) * up``. The torch versions compute the same thing for the
-other dtypes and when no compiler is found. (bf16: the C versions compute in fp32 and round each
-result once, where torch's bf16 ops round after every op; the lean forward's load-time check bounds
-the difference.)
+Between two GEMMs of a decode step each torch op costs far more in dispatch than in arithmetic,
+much of it re-fetching code the GEMM's weight stream evicted from the caches (figures:
+docs/PERFORMANCE.md#per-op-overhead); transformers' RMSNorm alone is ~6 ops. One C call does the
+residual add and the norm, another the rotary embedding of every q/k head in place, a third the
+MLP's ``silu(gate) * up``. The torch versions compute the same thing for the other dtypes and when
+no compiler is found. (bf16: the C versions compute in fp32 and round each result once, where
+torch's bf16 ops round after every op; the lean forward's load-time check bounds the difference.)
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ class FusedOps:
 class StepOps:
     """The fused ops of one forward pass bound to its residual stream x [T, H] (updated in place):
     output buffers allocated once per pass and reused by every layer, pointers and thread counts
-    resolved once, so that each call between two GEMMs is one ctypes call. Right after a GEMM
-    (batch 16) a `FusedOps.add_rms_norm` call measured 53 us, a bare ctypes call 22 us: the
-    wrapper's allocation and tensor queries re-fetch code and data the GEMM evicted.
+    resolved once, so that each call between two GEMMs is one ctypes call: right after a GEMM a
+    `FusedOps` call's allocation and tensor queries re-fetch code and data the GEMM evicted, and
+    cost more than the bare call (figures: docs/PERFORMANCE.md#per-op-overhead).
 
     A returned tensor is overwritten by the next call of the same method: the lean forward consumes
     each one (by a GEMM) before that. Inputs (GEMM outputs) must be contiguous."""

@@ -9,15 +9,14 @@
  * consecutive slots of one block: first the scores of every tile's K rows, then the softmax
  * weights of the whole chunk in one vectorised pass (online across chunks: running max and sum per
  * query head, the output rescaled when the max grows), then every tile's V rows times their
- * weights added into the output. Per tile, the max-exp-sum chain used to sit between a tile's K
- * and V loads; moved out, SmolLM2's decode attention (batch 64, bf16 pools) ran ~1.1x faster.
- * K and V are read once, in slot order (a block's rows for all KV heads are contiguous), and the
- * rows of the tile read next are asked for a few at a time while the current one computes: at
- * SmolLM2's shapes, batch 64 and pools not in cache (a decode step's weights evict them) this made
- * the kernel 1.3x faster (19 GB/s of the 23 GB/s that a plain read of the same 12 KiB blocks gets
- * on 2 cores). The G = Hq / Hkv query heads of a KV head share each tile. Tasks are spread over an
- * OpenMP team; linked against torch's libgomp (same soname, loaded first) the team comes from
- * torch's thread pool.
+ * weights added into the output, so that no max-exp-sum chain sits between a tile's K and V
+ * loads. K and V are read once, in slot order (a block's rows for all KV heads are contiguous),
+ * and the rows of the tile read next are asked for a few at a time while the current one
+ * computes: the pools, which a decode step's weights evict from the caches, then stream at close
+ * to the speed of a plain read of the same blocks (figures for both:
+ * docs/PERFORMANCE.md#decode-attention-kernel). The G = Hq / Hkv query heads of a KV head share
+ * each tile. Tasks are spread over an OpenMP team; linked against torch's libgomp (same soname,
+ * loaded first) the team comes from torch's thread pool.
  */
 #include <math.h>
 #include <omp.h>
@@ -227,7 +226,8 @@ static void tile_values_portable(const float *w, int64_t w_stride, const float *
 
 #ifdef __AVX512F__
 /* Elements d..d+15 of a row as fp32: loaded, or bf16 widened in the register (bf16 is the top half
- * of an fp32), which measured 1.1x faster than widening a tile into a buffer first. */
+ * of an fp32), faster than widening a tile into a buffer first
+ * (docs/PERFORMANCE.md#decode-attention-kernel). */
 static inline __m512 load16(const void *row, int64_t d, int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)row + d);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d));
@@ -504,8 +504,9 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const void *row, 
 }
 
 /* Per-thread scratch kept across calls and grown on demand: a fresh malloc of a few hundred KiB
- * per call is an mmap + page faults + munmap, ~10 us, more than a batch-1 layer's attention. The
- * threads are torch's OpenMP pool (and the engine's caller thread), so there are a handful. */
+ * per call is an mmap + page faults + munmap, which cost more than a batch-1 layer's attention
+ * (docs/PERFORMANCE.md#decode-attention-kernel). The threads are torch's OpenMP pool (and the
+ * engine's caller thread), so there are a handful. */
 static float *thread_scratch(size_t floats) {
     static __thread float *buffer = NULL;
     static __thread size_t capacity = 0;
@@ -575,15 +576,17 @@ int paged_decode_attention(const DecodeStep *step, const void *rows, int64_t row
     return failed ? -1 : 0;
 }
 
-/* Pauses a barrier spins before it sleeps between checks: ~0.1 ms here (10 ns a pause), the
- * spin the engine's --spin-wait gives libgomp (engine/model/cpu/openmp_env.py). */
+/* Pauses a barrier spins before it sleeps between checks: about as long as the engine's
+ * --spin-wait lets libgomp spin (engine/model/cpu/openmp_env.py; a pause's cost here:
+ * docs/PERFORMANCE.md#openmp-wait-policy). */
 #define BARRIER_SPINS 10000
 
 /* Waits until `team` threads have arrived at *arrived (a counter used once, zero before):
  * spinning, which costs the wait alone, where a libgomp barrier in a passive-wait team puts the
- * early thread to sleep and waking it costs ~100 us on this VM (about the longest a late worker
- * keeps the other waiting here). Past BARRIER_SPINS it sleeps 20 us between checks: when other
- * processes hold the late thread's core, the waiting one leaves its core to them. */
+ * early thread to sleep, and waking it costs about as long as a late worker keeps the other
+ * waiting (figures: docs/PERFORMANCE.md#thread-wake-ups). Past BARRIER_SPINS it sleeps 20 us
+ * between checks: when other processes hold the late thread's core, the waiting one leaves its
+ * core to them. */
 static void spin_barrier(int *arrived, int team) {
     __atomic_add_fetch(arrived, 1, __ATOMIC_ACQ_REL);
     for (int spins = 0; __atomic_load_n(arrived, __ATOMIC_ACQUIRE) < team; spins++) {
@@ -602,19 +605,24 @@ static void spin_barrier(int *arrived, int team) {
  * team): rows = x [batch, k] . W^T (+ bias), W packed for panel_gemm (panel_gemm.c) with
  * n = (Hq + 2 Hkv) D outputs, into `rows` [batch, n] (fp32 activations), then
  * paged_decode_attention over them (step->slots and the rotary tables set: the call writes the new
- * K/V). A separate attention region costs a wake-up of the team's sleeping threads per layer,
- * ~100 us on this VM with passive waiting; inside the projection's region they go on to the
- * attention after a spin barrier: SmolLM2 fp32 decode steps ran 1.04x faster at batch 16 and
- * 1.05x at 64, their qkv GEMMs + attention 12 instead of ~15.5 ms at 16. Attention sized for one
- * thread (step->nthreads) stays on the caller's. Returns as paged_decode_attention. */
+ * K/V). A separate attention region costs a wake-up of the team's sleeping threads per layer
+ * with passive waiting; inside the projection's region they go on to the attention after a spin
+ * barrier (figures: docs/PERFORMANCE.md#fused-qkv-and-attention). Attention sized for one thread
+ * (step->nthreads) stays on the caller's. projection_seconds, when not NULL, receives the time
+ * from the call's start to the barrier (the projection, the team's wake-up included) for the step
+ * profile (engine/model/step_profile.py). Returns as paged_decode_attention. */
 int decode_qkv_attention(const DecodeStep *step, const float *x, int64_t k, const float *packed,
                          int64_t n, const float *bias, float *rows, void *k_cache, void *v_cache,
-                         void *out, float scale, int64_t window, float softcap, int nthreads) {
+                         void *out, float scale, int64_t window, float softcap, int nthreads,
+                         double *projection_seconds) {
     int failed = 0, arrived = 0;
+    const double started = projection_seconds ? omp_get_wtime() : 0.0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         panel_gemm_shared(x, step->batch, k, packed, n, 0, 0, bias, rows);
         spin_barrier(&arrived, omp_get_num_threads());
+        if (projection_seconds && omp_get_thread_num() == 0)
+            *projection_seconds = omp_get_wtime() - started;
         int status = 0;
         if (step->nthreads > 1)
             status = attention_tasks(step, rows, n, k_cache, v_cache, out, scale, window, softcap);

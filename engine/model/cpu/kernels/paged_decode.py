@@ -59,7 +59,8 @@ class DecodeStep:
     token's K and V heads, which the call writes into those slots first, and with ``rotary``
     (cos/sin [B, head_dim]) it rotates the rows' q and k heads first: rotary, cache write and
     attention become one call. Without them the pools must already hold the current token.
-    Rows and output are in ``act_dtype`` (fp32 or bf16); arithmetic is fp32.
+    Rows and output are in ``act_dtype`` (fp32 or bf16); arithmetic is fp32. With
+    ``time_projection`` a call that runs the qkv panel GEMM also times it (`projection_s`).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class DecodeStep:
         act_dtype: torch.dtype = torch.float32,
         slots: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        time_projection: bool = False,
     ) -> None:
         lib = load()
         if lib is None:
@@ -103,6 +105,14 @@ class DecodeStep:
         self._ref = ctypes.byref(self._struct)
         self._out = torch.empty((seq_lens.shape[0], q_heads, head_dim), dtype=act_dtype)
         self._out_ptr = self._out.data_ptr()
+        self._projection_s = ctypes.c_double(0.0)  # the kernel writes it when given its address
+        self._projection_s_ref = ctypes.byref(self._projection_s) if time_projection else None
+
+    @property
+    def projection_s(self) -> float:
+        """Seconds the last call's qkv projection took (time_projection, a call given the GEMM),
+        from the call's start to the barrier after it: the team's wake-up included."""
+        return self._projection_s.value
 
     def __call__(
         self,
@@ -127,7 +137,7 @@ class DecodeStep:
             bias_ptr = None if bias is None else bias.data_ptr()
             status = self._lib.decode_qkv_attention(
                 self._ref, x.data_ptr(), x.shape[1], packed.data_ptr(), width, bias_ptr,
-                out.data_ptr(), *tail, threads,
+                out.data_ptr(), *tail, threads, self._projection_s_ref,
             )  # fmt: skip
         if status != 0:
             raise MemoryError("the CPU decode kernel could not allocate its scratch")

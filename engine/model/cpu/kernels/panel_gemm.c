@@ -2,14 +2,12 @@
  * panels of PANEL output columns, each panel [K][PANEL] contiguous (engine/model/cpu/linear.py).
  * A panel is read as one stream and reused from L2 for every group of ROWS input rows; ROWS x PANEL
  * accumulators (24 AVX-512 registers) take one weight load per 6 multiply-adds. Panels are dealt
- * to the OpenMP team dynamically, so the caller's thread starts on them while the others wake (a
- * wake-up costs ~100 us on this VM). At SmolLM2's layer shapes (30 layers' weights streaming from
- * memory, outputs preallocated) this ran 1.2x faster than oneDNN's prepacked GEMMs at 16 and 64
- * rows and 1.3x faster than a plain-weight GEMV at one row before the weight prefetch, which added
- * 1.15x at 16 rows; from a few hundred rows on oneDNN's blocking wins again, and the caller
- * switches back. An MLP's [gate; up] weight packed in pairs (below) gets silu(gate) * up applied
- * on the way out: SmolLM2's 30 gate/up GEMMs plus activation took 32.6 instead of 35.6 ms at batch
- * 64, 16.3 instead of 17.7 at 16. AVX-512 only: elsewhere panel_gemm_available() is 0 and the
+ * to the OpenMP team dynamically, so the caller's thread starts on them while the others wake.
+ * With the weights streaming from memory this beats oneDNN's prepacked GEMMs at decode batch sizes
+ * and a plain-weight GEMV at one row; from a few hundred rows on oneDNN's blocking wins again, and
+ * the caller switches back. An MLP's [gate; up] weight packed in pairs (below) gets
+ * silu(gate) * up applied on the way out, sparing a pass over the GEMM's output (figures:
+ * docs/PERFORMANCE.md#panel-gemm). AVX-512 only: elsewhere panel_gemm_available() is 0 and the
  * caller keeps oneDNN. */
 #include <stdint.h>
 
@@ -108,8 +106,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
         /* the panel's row PREFETCH_AHEAD ahead: with two or more input rows the hardware
-           prefetcher alone left the weight stream behind (batch 16: 1.15x with this); for one row
-           it keeps up and the extra instructions only cost */
+           prefetcher alone leaves the weight stream behind; for one row it keeps up and the
+           extra instructions only cost (figures: docs/PERFORMANCE.md#panel-gemm) */
         if (rows >= 2)
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++)

@@ -14,8 +14,8 @@ import torch
 from engine.model.cpu.huge_pages import HugePageArena
 from engine.model.cpu.kernels.build import load
 
-# Rows up to which the panel GEMM beat oneDNN's prepacked GEMM at SmolLM2's shapes here (even at
-# 256 rows, oneDNN 10-20% faster at 1024).
+# Rows up to which the panel GEMM runs instead of oneDNN's prepacked GEMM, with a margin below
+# where oneDNN starts to win (figures: docs/PERFORMANCE.md#panel-gemm).
 MAX_ROWS = 128
 
 # A panel GEMM's operands (engine.model.cpu.linear.StepGemms.panel_operands), for a kernel that
