@@ -20,8 +20,8 @@ before a request reaches the app, and no client can hold the server's connection
 
 Leans on aiohttp internals (``RequestHandler.handle_error``, ``_keepalive_handle``,
 ``_messages``, ``Server._kwargs``, ``BaseRequest._version``), stable across 3.x;
-tests/gateway/test_client_hardening.py, tests/gateway/test_http_edges.py and
-tests/test_server_errors.py fail if an upgrade changes them.
+tests/gateway/client_hardening/, tests/gateway/test_http_edges.py and
+tests/engine/test_server_errors.py fail if an upgrade changes them.
 """
 
 from __future__ import annotations

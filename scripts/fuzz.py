@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Long seeded HTTP fuzz of the gateway and the engine: the cases of tests/fuzzing.py, sent and
-judged by tests/fuzz_runner.py (its docstring says what counts as a finding), JSON out.
+"""Long seeded HTTP fuzz of the gateway and the engine: the cases of tests/fuzz/cases.py, sent by
+tests/fuzz/runner.py and judged by tests/fuzz/verdicts.py (its docstring says what counts as a
+finding), JSON out.
 
 Starts its own servers on 127.0.0.1 free ports and stops them (only those) at the end:
 - gateway: ``modelyard serve`` as a process, API keys on, model m1 on a mock upstream
@@ -32,19 +33,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.net import free_port  # noqa: E402
-from tests.fuzz_runner import (  # noqa: E402
+from tests.fuzz.profile import engine_profile, gateway_profile  # noqa: E402
+from tests.fuzz.report import Report  # noqa: E402
+from tests.fuzz.runner import Runner, Settings  # noqa: E402
+from tests.fuzz.servers import (  # noqa: E402
     GATEWAY_ADMIN_ENV,
     GATEWAY_KEY_ENV,
     GATEWAY_KEYS,
     MIB,
     ProcessServer,
-    Report,
-    Runner,
-    Settings,
     engine_command,
     gateway_document,
 )
-from tests.fuzzing import engine_profile, gateway_profile  # noqa: E402
 from tests.gateway.conftest import MockUpstream  # noqa: E402
 from tests.tiny_models import build_tiny_llama  # noqa: E402
 

@@ -7,12 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import build_tiny_llama, build_tiny_sliding
+from tests.tiny_models import build_tiny_llama, build_tiny_sliding, build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_GGUF = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tiny byte-level BPE tokenizer (FakeCore's, and the tiny models')."""
+    return build_tokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
-"""A bounded, seeded HTTP fuzz of both servers (cases: tests/fuzzing.py; sending and judging:
-tests/fuzz_runner.py, whose docstring says what counts as a finding). The longer run is
-scripts/fuzz.py.
+"""A bounded, seeded HTTP fuzz of both servers (the package tests/fuzz/: cases from cases.py,
+sent by runner.py and judged by verdicts.py, whose docstring says what counts as a finding). The
+longer run is scripts/fuzz.py.
 
 - gateway: in process (its runner and app, as ``modelyard serve`` builds them), API keys on,
   routing m1 to a mock upstream and ``down`` to a closed port;
@@ -8,7 +8,7 @@ scripts/fuzz.py.
   process, so that its RSS is its own and a runaway allocation can be killed by PID).
 
 Each must give 0 5xx (502-504 only for ``down``), 0 non-JSON error bodies, 0 hangs, 0 closes
-without an answer (except where tests/fuzz_runner.py allows them) and bounded RSS growth. A
+without an answer (except where tests/fuzz/verdicts.py allows them) and bounded RSS growth. A
 failure lists the findings grouped by cause, each with the seed and index that rebuild its case:
 ``make_case(gateway_profile(...) or engine_profile(), seed, index)``.
 """
@@ -27,20 +27,19 @@ from common.net import free_port
 from gateway.app import Gateway, create_app
 from gateway.config import load_config
 from gateway.server import GatewayRunner
-from tests.fuzz_runner import (
+from tests.fuzz.logs import LogCapture
+from tests.fuzz.profile import engine_profile, gateway_profile
+from tests.fuzz.report import Report
+from tests.fuzz.runner import Runner, Settings
+from tests.fuzz.servers import (
     GATEWAY_ADMIN_ENV,
     GATEWAY_KEY_ENV,
     GATEWAY_KEYS,
     MIB,
-    LogCapture,
     ProcessServer,
-    Report,
-    Runner,
-    Settings,
     engine_command,
     gateway_document,
 )
-from tests.fuzzing import engine_profile, gateway_profile
 from tests.gateway.conftest import MockUpstream
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,14 +16,8 @@ from engine.serving.server import EngineRunner
 from tests.fake_core import FakeCore
 from tests.raw_http import assert_openai_error, raw_exchange
 from tests.server_utils import InProcessServer
-from tests.tiny_models import build_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
 
 
 @pytest.fixture

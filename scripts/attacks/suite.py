@@ -1,0 +1,155 @@
+"""One run per checkout: the fleet started, the victim and the sampler running, the attacks
+replayed in order (each bounded, a failure its result), the fleet stopped."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from scripts.attacks.bodies import big_prompt, encoded_body, small_bodies
+from scripts.attacks.choices import many_choices
+from scripts.attacks.connections import half_open
+from scripts.attacks.context import ATTACK_CAP_S, Ctx
+from scripts.attacks.ejection import ejection
+from scripts.attacks.fleet import Fleet, checkout_state
+from scripts.attacks.raw_http import CHAT, COMPLETIONS, VICTIM_ADDRESS, http_request
+from scripts.attacks.rss import RssSampler
+from scripts.attacks.slow import slow_clients
+from scripts.attacks.victim import Victim, finished, overlapping, probe_stats
+
+SETTLE_CAP_S = 90.0
+
+# In this order, on one fleet. An attack's harm can outlast it: at the baseline every ejection
+# lengthens the next (base_s x count, forgotten after max_s), so 3, which measures ejection
+# windows, goes first; later attacks then meet the longer ejections it leaves, as clients would.
+ATTACKS: dict[str, Callable[[Ctx], Awaitable[dict]]] = {
+    "3_ejection_rounds": ejection,
+    "1a_deflate_bomb_gateway": encoded_body("deflate_bomb", "deflate", "gateway"),
+    "1b_gzip_spaces_gateway": encoded_body("gzip_spaces", "gzip", "gateway"),
+    "1c_deflate_bomb_engine": encoded_body("deflate_bomb", "deflate", "engine"),
+    "1d_gzip_spaces_engine": encoded_body("gzip_spaces", "gzip", "engine"),
+    "2_n10000_gateway": many_choices,
+    "4a_4mb_chat_gateway": big_prompt("big_chat", CHAT, "gateway"),
+    "4b_4mb_completion_gateway": big_prompt("big_completion", COMPLETIONS, "gateway"),
+    "4c_4mb_chat_engine": big_prompt("big_chat", CHAT, "engine"),
+    "4d_4mb_completion_engine": big_prompt("big_completion", COMPLETIONS, "engine"),
+    "6_small_bodies": small_bodies,
+    "5a_slow_clients": slow_clients,
+    "5b_half_open_connections": half_open,
+}
+
+
+async def settle(ctx: Ctx) -> float:
+    """Waits (bounded) until the gateway is ready again and refreshes the engine's address."""
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + SETTLE_CAP_S:
+        if (await http_request(ctx.fleet.url, "GET", "/ready", timeout=2)).status == 200:
+            with contextlib.suppress(OSError, RuntimeError, ValueError, StopIteration):
+                await asyncio.to_thread(ctx.fleet.refresh)
+                break
+        await asyncio.sleep(0.25)
+    return round(time.monotonic() - t0, 2)
+
+
+async def run_attack(ctx: Ctx, attack: Callable[[Ctx], Awaitable[dict]]) -> dict[str, Any]:
+    settle_s = await settle(ctx)
+    t0 = time.monotonic()
+    try:
+        detail = await asyncio.wait_for(attack(ctx), ATTACK_CAP_S)
+    except Exception as exc:  # one attack's failure is its result, not the run's end
+        detail = {"error": f"{type(exc).__name__}: {exc}"}
+    t1 = time.monotonic()
+    await asyncio.sleep(ctx.args.after_s)
+    t2 = time.monotonic()
+    victim = ctx.victim
+    during = probe_stats(await finished(overlapping(victim.chats, t0, t1)))
+    after = probe_stats(await finished([p for p in list(victim.chats) if t1 <= p.start < t2]))
+    health = {  # during and right after: a stalled event loop may outlast the answer
+        name: probe_stats(await finished(overlapping(probes, t0, t2)))
+        for name, probes in victim.health.items()
+    }
+    rss = {role: ctx.sampler.figures(role, t0, t1) for role in ("gateway", "engine")}
+    figures = {
+        **detail.pop("figures", {}),
+        "victim_ok": f"{during['ok']}/{during['count']}",
+        "victim_p50_ms": during["p50_ms"],
+        "victim_max_ms": during["max_ms"],
+        "victim_ok_after": f"{after['ok']}/{after['count']}",
+        "gateway_health_max_ms": health["gateway"]["max_ms"],
+        "engine_health_max_ms": health["engine"]["max_ms"],
+        "gateway_rss_peak_mb": rss["gateway"]["peak_mb"],
+        "engine_rss_peak_mb": rss["engine"]["peak_mb"],
+    }
+    if "error" in detail:
+        figures["error"] = detail["error"]
+    return {
+        "settle_s": settle_s,
+        "seconds": round(t1 - t0, 2),
+        "attack": detail,
+        "victim_during": during,
+        "victim_after": after,
+        "health": health,
+        "rss": rss,
+        "figures": figures,
+    }
+
+
+async def run_attacks(ctx: Ctx, names: list[str]) -> dict[str, Any]:
+    results = {}
+    for name in names:
+        print(f"  {name} ...", file=sys.stderr, flush=True)
+        results[name] = await run_attack(ctx, ATTACKS[name])
+        print(f"    {json.dumps(results[name]['figures'])}", file=sys.stderr, flush=True)
+    return results
+
+
+def run_suite(
+    repo: Path, args: argparse.Namespace, payloads: dict[str, bytes], names: list[str]
+) -> dict:
+    """Starts the fleet from ``repo``, replays the attacks, stops it."""
+    started = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="modelyard-attacks-"))
+    fleet = Fleet(repo, workdir, args.model)
+    out: dict[str, Any] = {"repo": str(repo), **checkout_state(repo), "log": str(fleet.log)}
+    victim = Victim(fleet, args.victim_concurrency, VICTIM_ADDRESS)
+    sampler = RssSampler(fleet)
+    try:
+        out["imports"] = fleet.imports()
+        print(f"{repo}: {out['imports']}", file=sys.stderr, flush=True)
+        fleet.start(args.ready_timeout)
+        out["engine_start_s"] = round(time.monotonic() - started, 1)
+        sampler.start()
+        victim.start()
+        warm_deadline = time.monotonic() + 60
+        while sum(p.ok for p in list(victim.chats)) < 3 and time.monotonic() < warm_deadline:
+            time.sleep(0.2)
+        ctx = Ctx(fleet, victim, sampler, args, payloads)
+        out["attacks"] = asyncio.run(run_attacks(ctx, names))
+    except Exception as exc:  # reported: the other checkout still runs
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["log_tail"] = (
+            fleet.log.read_text(errors="replace")[-3000:] if fleet.log.exists() else ""
+        )
+        print(f"{repo}: {out['error']}", file=sys.stderr, flush=True)
+    finally:
+        victim.stop()
+        sampler.stop()
+        out["stop"] = fleet.stop()
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def selected(only: str) -> list[str]:
+    ids = [i for i in only.split(",") if i]
+    names = [n for n in ATTACKS if not ids or n.split("_", 1)[0] in ids or n[0] in ids]
+    if not names:
+        raise SystemExit(f"--only {only!r} matches none of {', '.join(ATTACKS)}")
+    return names
