@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+# Gemma 3 270M (base model), with the Gemma terms beside it (models/gemma-3-270m.*)
+GEMMA_MODEL := models/gemma-3-270m-q4_k_m.gguf
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
@@ -19,10 +21,13 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install --quiet -c requirements.lock -e '.[dev]'
 	@touch $(STAMP)
 
-models: $(MODEL)
+models: $(MODEL) $(GEMMA_MODEL)
 
 $(MODEL): | $(STAMP)
-	$(PY) scripts/fetch_models.py
+	$(PY) scripts/fetch_models.py smollm2
+
+$(GEMMA_MODEL): | $(STAMP)
+	$(PY) scripts/fetch_models.py gemma3
 
 # Tests scrape the servers with a real Prometheus and check rules with promtool (Debian package).
 prometheus:
@@ -31,10 +36,10 @@ prometheus:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-serve: $(STAMP) $(MODEL)
+serve: $(STAMP) $(MODEL) $(GEMMA_MODEL)
 	$(VENV)/bin/modelyard serve -c models.yaml --host $(HOST) --port $(PORT)
 
-test: $(STAMP) $(MODEL) prometheus
+test: $(STAMP) $(MODEL) $(GEMMA_MODEL) prometheus
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP) $(MODEL)

@@ -121,3 +121,40 @@ def _scale_up_logits(model: PreTrainedModel) -> None:
     transformers test the engine's arithmetic rather than rounding noise."""
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
+
+
+GEMMA3_SLIDING_WINDOW = 12  # not a multiple of the engine's 16-token blocks
+
+
+def build_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+    """A 3-layer Gemma 3 text model shaped like Gemma 3 270M where it matters to the engine:
+    sliding-window layers (window 12) before a global one with its own rotary base, one KV head,
+    head_dim 256 (4x hidden / heads), tied embeddings scaled by sqrt(hidden), q/k norms, pre/post
+    feed-forward norms, gelu_tanh."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=GEMMA3_SLIDING_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # Gemma's norms scale by (1 + weight), initialised at 0: make it count
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    _scale_up_logits(model)
+    return _save(model, tokenizer, path)

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 # Architectures whose decoder layer is the plain pre-norm Llama block (with or without q/k/v bias).
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# That block's submodules: Gemma 2/3 add pre/post feed-forward norms, and their post-attention
+# norm scales the attention output instead of the MLP input.
+_LLAMA_BLOCK = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
 
 
 @dataclass
@@ -51,6 +54,8 @@ class LeanLlamaForward:
     def __init__(self, model: nn.Module) -> None:
         inner = model.model
         config = model.config
+        if type(inner.embed_tokens) is not nn.Embedding:  # e.g. Gemma's, scaled by sqrt(hidden)
+            raise TypeError("not a plain embedding")
         self.embed: nn.Embedding = inner.embed_tokens
         self.rotary = _rotary_of(inner.rotary_emb)
         self.final_norm = _norm_params(inner.norm)
@@ -162,6 +167,8 @@ def _rotary_of(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], tupl
 
 
 def _layer(layer: nn.Module) -> _Layer:
+    if {name for name, _ in layer.named_children()} != _LLAMA_BLOCK:
+        raise TypeError("not the plain Llama block")
     attn, mlp = layer.self_attn, layer.mlp
     if not all(isinstance(m, FusedMember) for m in (attn.q_proj, mlp.gate_proj)):
         raise TypeError("projections are not fused")
