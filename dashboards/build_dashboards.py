@@ -256,6 +256,74 @@ GATEWAY_PANELS: list[Panel] = [
             ),
         ],
     ),
+    # Residency (gateway/residency): what is loaded, what it costs to bring a model up, and who
+    # waits meanwhile.
+    (
+        "Replicas by state",
+        "short",
+        [
+            (
+                "{{model}} {{state}}",
+                'sum by (model, state) (modelyard_replica_state{model=~"$model"})',
+            ),
+        ],
+    ),
+    (
+        "Load and wake time (p95)",
+        "s",
+        [
+            (
+                "{{kind}} {{model}}",
+                'histogram_quantile(0.95, sum by (le, model, kind) (rate(modelyard_model_load_seconds_bucket{model=~"$model"}[$__rate_interval])))',
+            ),
+        ],
+    ),
+    (
+        "Held requests and refusals",
+        "short",
+        [
+            (
+                "held {{model}}",
+                'sum by (model) (modelyard_hold_queue_depth{model=~"$model"})',
+            ),
+            (
+                "refused / s {{reason}}",
+                'sum by (reason) (rate(modelyard_hold_queue_refused_total{model=~"$model"}[$__rate_interval]))',
+            ),
+        ],
+    ),
+    (
+        "Hold wait (p95)",
+        "s",
+        [
+            (
+                "{{model}}",
+                'histogram_quantile(0.95, sum by (le, model) (rate(modelyard_hold_queue_wait_seconds_bucket{model=~"$model"}[$__rate_interval])))',
+            ),
+        ],
+    ),
+    (
+        "Evictions / s",
+        "short",
+        [
+            (
+                "{{action}} {{reason}} {{model}}",
+                'sum by (model, action, reason) (rate(modelyard_model_evictions_total{model=~"$model"}[$__rate_interval]))',
+            ),
+        ],
+    ),
+    (
+        "Memory budget",
+        "bytes",
+        [
+            ("budget", "max(modelyard_memory_budget_bytes)"),
+            ("resident", "max(modelyard_memory_resident_bytes)"),
+            (
+                "{{kind}} {{model}}",
+                'max by (model, kind) (modelyard_model_footprint_bytes{model=~"$model"})',
+            ),
+        ],
+    ),
 ]
 
 

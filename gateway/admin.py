@@ -22,15 +22,16 @@ async def backends(request: web.Request) -> web.Response:
     models = []
     for route in gw.router.routes.values():
         config = route.config
-        models.append(
-            {
-                "name": config.name,
-                "aliases": list(config.aliases),
-                "local": config.local,
-                "in_flight": route.inflight,
-                "backends": [b.describe() for b in route.backends],
-            }
-        )
+        entry = {
+            "name": config.name,
+            "aliases": list(config.aliases),
+            "local": config.local,
+            "in_flight": route.inflight,
+            "backends": [b.describe() for b in route.backends],
+        }
+        if gw.pool is not None and config.local:
+            entry["replicas"] = [r.describe() for r in gw.pool.replicas.get(config.name, [])]
+        models.append(entry)
     return web.json_response({"draining": gw.draining, "models": models})
 
 

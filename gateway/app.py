@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway import admin, openai_api, probes
+from gateway import admin, admin_models, openai_api, probes
 from gateway.middlewares import auth, context
 from gateway.state import GATEWAY_KEY, Gateway
 
@@ -32,6 +32,10 @@ def create_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/admin/reload", admin.reload)
     app.router.add_post("/admin/drain", admin.drain)
     app.router.add_get("/admin/prometheus/targets", admin.prometheus_targets)
+    app.router.add_get("/admin/models", admin_models.models)
+    app.router.add_post("/admin/models/{name}/load", admin_models.load)
+    app.router.add_post("/admin/models/{name}/park", admin_models.park)
+    app.router.add_post("/admin/models/{name}/unload", admin_models.unload)
 
     async def lifecycle(app: web.Application):
         await gateway.start()

@@ -44,7 +44,9 @@ def check(path: str) -> int:
     )
     for model in config.models:
         where = (
-            f"local {model.source} x{model.replicas}" if model.local else ", ".join(model.upstreams)
+            f"local {model.source} x{model.replicas}, {model.residency}"
+            if model.local
+            else ", ".join(model.upstreams)
         )
         aliases = f" (aliases: {', '.join(model.aliases)})" if model.aliases else ""
         print(f"  {model.name}{aliases}: {where}")

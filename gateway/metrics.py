@@ -20,6 +20,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.backend import Backend, BackendState, Condition
+from gateway.replica import Replica, ReplicaState
 
 UNKNOWN_MODEL = "_unknown"
 # The fixed label values, exported as zeros up front (see declare_model).
@@ -27,6 +28,10 @@ RETRY_REASONS = ("connect", "connect_timeout", "disconnect", "status_502", "stat
 TIMEOUT_KINDS = ("connect", "first_byte", "idle", "total")
 RATE_LIMITS = ("key_requests", "key_tokens", "model_requests", "model_tokens", "concurrency")
 RELOAD_RESULTS = ("applied", "rejected")
+HOLD_REFUSALS = ("hold_queue_full", "model_loading_timeout", "model_failed")
+LOAD_STATES = {ReplicaState.STARTING: "cold", ReplicaState.WAKING: "wake"}
+EVICTIONS = tuple((a, r) for a in ("park", "stop") for r in ("idle", "memory", "operator"))
+REPLICA_STATES = tuple(s.value for s in ReplicaState)
 _LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -125,6 +130,7 @@ class GatewayMetrics:
             "modelyard_timeouts", "Upstream timeouts by kind", ["model", "kind"], registry=r
         )
         self._children: dict[tuple, Any] = {}
+        self._declare_residency_metrics(r)
         self.config_reloads = Counter(
             "modelyard_config_reloads", "Config reloads by result", ["result"], registry=r
         )
@@ -142,6 +148,84 @@ class GatewayMetrics:
             self.timeouts.labels(model, kind)
         for limit in RATE_LIMITS:
             self.rate_limited.labels(model, limit)
+
+    def _declare_residency_metrics(self, r: CollectorRegistry) -> None:
+        self.replica_state = Gauge(
+            "modelyard_replica_state",
+            "1 for the state each local replica is in (gateway/replica.py), 0 for the others",
+            ["model", "replica", "state"],
+            registry=r,
+        )
+        self.model_load = Histogram(
+            "modelyard_model_load_seconds",
+            "From a replica's start (cold) or wake request (wake) to its ready state",
+            ["model", "kind"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.hold_depth = Gauge(
+            "modelyard_hold_queue_depth",
+            "Requests held while their model loads, wakes or restarts",
+            ["model"],
+            registry=r,
+        )
+        self.hold_wait = Histogram(
+            "modelyard_hold_queue_wait_seconds",
+            "Time requests spent held, whatever came of it",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.hold_refused = Counter(
+            "modelyard_hold_queue_refused",
+            "Held requests answered 503, by reason",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "modelyard_model_evictions",
+            "Models parked or stopped, by action and reason (idle, memory for another, operator)",
+            ["model", "action", "reason"],
+            registry=r,
+        )
+        self.memory_budget = Gauge(
+            "modelyard_memory_budget_bytes", "Host memory all resident engines may use", registry=r
+        )
+        self.memory_resident = Gauge(
+            "modelyard_memory_resident_bytes",
+            "Host memory the resident engines take, as planned (measured where reported)",
+            registry=r,
+        )
+        self.model_memory = Gauge(
+            "modelyard_model_footprint_bytes",
+            "One replica's footprint, awake and parked (measured once reported, estimated before)",
+            ["model", "kind"],
+            registry=r,
+        )
+
+    def declare_residency(self, model: str) -> None:
+        """A local model's residency series, at zero before their first event."""
+        self.hold_depth.labels(model)
+        for reason in HOLD_REFUSALS:
+            self.hold_refused.labels(model, reason)
+        for action, reason in EVICTIONS:
+            self.evictions.labels(model, action, reason)
+
+    def replica_changed(self, replica: Replica, old: ReplicaState) -> None:
+        """The pool's transition hook: the replica's state series (one at 1, the others at 0),
+        and the time it took to come up when it just became ready (started or woken)."""
+        index = str(replica.index)
+        if replica.state is ReplicaState.READY and old in LOAD_STATES:
+            self.model_load.labels(replica.model, LOAD_STATES[old]).observe(replica.left_after_s)
+        if replica.state is ReplicaState.STOPPED:
+            for state in REPLICA_STATES:
+                with contextlib.suppress(KeyError):
+                    self.replica_state.remove(replica.model, index, state)
+            return
+        for state in REPLICA_STATES:
+            self.replica_state.labels(replica.model, index, state).set(
+                1 if state == replica.state.value else 0
+            )
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: the hot path skips prometheus_client's lock."""

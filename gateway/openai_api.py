@@ -205,6 +205,8 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
         started=started,
     )
     request[EXCHANGE] = ex
+    if gw.residency is not None:
+        gw.residency.touch(route.name)
     route.inflight += 1
     in_flight = gw.metrics.child(gw.metrics.in_flight, route.name)
     in_flight.inc()
@@ -213,6 +215,8 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
     finally:
         route.inflight -= 1
         in_flight.dec()
+        if gw.residency is not None:
+            gw.residency.touch(route.name)  # the idle TTL counts from the last request's end
         if ex.prompt_tokens is not None and ex.completion_tokens is not None:
             metrics = gw.metrics
             metrics.child(metrics.prompt_tokens, route.name).inc(ex.prompt_tokens)
@@ -224,9 +228,14 @@ async def list_models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY_KEY]
     key = request[API_KEY]
     data = []
+    residency = gw.residency
     for route in gw.router.routes.values():
         if not may_use(key, route.name):
             continue
+        if residency is not None and route.name in residency.models:
+            state = residency.model_state(route.name)
+        else:
+            state = "ready" if any(b.available for b in route.backends) else "unavailable"
         for served in (route.name, *route.config.aliases):
             data.append(
                 {
@@ -235,6 +244,8 @@ async def list_models(request: web.Request) -> web.Response:
                     "created": gw.started_at,
                     "owned_by": "modelyard",
                     "root": route.name,
+                    # not OpenAI's: ready, parked, stopped (loads at the first request), ...
+                    "state": state,
                 }
             )
     return web.json_response({"object": "list", "data": data})

@@ -1,8 +1,15 @@
-"""The engine pool: one engine process per replica of every local model (``source:``).
+"""The engine pool: the engine processes of every local model (``source:``), each replica's
+lifecycle driven through its state machine (gateway/replica.py).
 
 Each replica runs ``python -m engine --model SRC --served-model-name NAME --host 127.0.0.1
---port N ...`` on a free loopback port. It joins the router once its ``/ready`` answers 200; if its
-process exits unexpectedly it leaves the router and is restarted after an exponential backoff.
+--port N ...`` on a free loopback port. It joins the router when it becomes READY; if its process
+exits unexpectedly it leaves the router and restarts after an exponential backoff (BACKOFF), until
+it has crashed ``MAX_CRASHES`` times in a row without running ``STABLE_AFTER_S``: then it is
+FAILED, with its last log lines, until an operator loads it or a config reload replaces it.
+
+A model is *active* when its replicas should serve: pinned models always, on-demand ones while the
+residency manager (gateway/residency) wants them. ``activate`` wakes parked replicas or starts
+them, ``park`` puts them to sleep (the process stays, its memory goes), ``deactivate`` stops them.
 
 Config changes are applied without dropping requests, one replica at a time: start a new replica,
 wait for it to be ready, add it to the router, take an old one out of the router, let its in-flight
@@ -10,7 +17,8 @@ requests finish (up to ``drain_timeout_s``), then stop it. If a new replica neve
 rollout stops there and the old replicas keep serving. A GPU replica whose memory fraction does not
 fit next to the running ones (a full card) is replaced the other way round: the old one drains and
 stops first, so the model serves with one replica fewer meanwhile (none, if it has only one); if the
-new one never becomes ready, the old one is started again and the rollout stops.
+new one never becomes ready, the old one is started again and the rollout stops. An inactive
+model's stale replicas are only stopped: it starts anew at its next activation.
 """
 
 from __future__ import annotations
@@ -18,98 +26,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-import sys
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 
-import aiohttp
-
-from common.engine_args import EngineArgs
 from common.net import free_port
 from gateway.backend import Backend
 from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig
+from gateway.engine_process import (
+    ENGINE_LAUNCHER,
+    EngineClient,
+    die_with_gateway,
+    engine_command,
+    relay_output,
+    send_signal,
+    spawn,
+    spec_of,
+)
+from gateway.replica import LEAVING, Replica, ReplicaListener, ReplicaState
 
 log = logging.getLogger("modelyard.pool")
 
+S = ReplicaState
 READY_POLL_S = 0.25
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # a replica that ran this long without crashing resets its backoff
+MAX_CRASHES = 5  # crashes in a row (none stable) before a replica is FAILED
+SLEEP_TIMEOUT_S = 120.0  # for POST /sleep and /wake_up (a weight copy, not a load)
 
-
-ENGINE_LAUNCHER = (sys.executable, "-m", "engine")
-
-# Linux: engines must not outlive a gateway that dies without cleaning up (SIGKILL, OOM killer).
-# A tiny exec wrapper asks the kernel to SIGKILL the child when its parent dies
-# (prctl(PR_SET_PDEATHSIG), kept across exec), then becomes the engine in the same process. A
-# wrapper rather than preexec_fn: that runs between fork and exec in a threaded parent, which is
-# unsafe, and not every event loop supports it. The "parent" is the thread that forked: the event
-# loop's, which lives as long as the gateway. The getppid() check covers a gateway that died
-# before the prctl.
-_PR_SET_PDEATHSIG = 1
-_DIE_WITH_PARENT = f"""\
-import ctypes, os, signal, sys
-ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL)
-if os.getppid() != int(sys.argv[1]):
-    sys.exit("the gateway is gone")
-os.execvp(sys.argv[2], sys.argv[2:])
-"""
-
-
-def die_with_gateway() -> list[str]:
-    """The prefix that makes a command die with this process (empty where Linux's prctl is not)."""
-    if not sys.platform.startswith("linux"):
-        return []
-    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid())]
-
-
-def engine_command(
-    model: ModelConfig, port: int, launcher: tuple[str, ...] = ENGINE_LAUNCHER
-) -> list[str]:
-    args = EngineArgs(
-        model=model.source or "",
-        served_model_name=model.name,
-        port=port,
-        max_model_len=model.max_model_len,
-        max_num_seqs=model.max_num_seqs,
-        device=model.device,
-        kv_cache_memory=model.kv_cache_memory,
-        gpu_memory_fraction=model.gpu_memory_fraction,
-        spin_wait=model.spin_wait,
-        extra=model.engine_args,
-    )
-    return [*launcher, *args.argv()]
-
-
-def spec_of(model: ModelConfig) -> tuple[str, ...]:
-    """What makes two replicas interchangeable: the engine command without its port, and without
-    ``--spin-wait``, which follows the fleet's size (decided per start, see ``_supervise``): a
-    replica count change must not replace the other replicas."""
-    return tuple(engine_command(replace(model, spin_wait=False), 0, ()))
-
-
-@dataclass(eq=False)
-class Replica:
-    model: str
-    spec: tuple[str, ...]
-    config: ModelConfig
-    port: int = 0
-    proc: asyncio.subprocess.Process | None = None
-    spin_wait: bool = False  # whether the running process got --spin-wait
-    ready: bool = False
-    stopping: bool = False
-    restarts: int = 0
-    supervisor: asyncio.Task[None] | None = None
-    backend: Backend | None = None
-    became_ready: asyncio.Event = field(default_factory=asyncio.Event)
-    failed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+__all__ = ["ENGINE_LAUNCHER", "EnginePool", "engine_command"]
 
 
 class EnginePool:
@@ -125,6 +71,7 @@ class EnginePool:
         drain_timeout_s: float = 60.0,
         stop_timeout_s: float = 30.0,
         cwd: str | None = None,
+        on_transition: ReplicaListener | None = None,
     ) -> None:
         self.publish = publish  # (model, ready URLs) → router
         self.find_backend = find_backend  # (model, url) → its router Backend, for draining
@@ -133,146 +80,239 @@ class EnginePool:
         self.drain_timeout_s = drain_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.cwd = cwd
+        self.on_transition = on_transition  # metrics and the residency manager
         self.replicas: dict[str, list[Replica]] = {}
-        self._lock = asyncio.Lock()
+        self.models: dict[str, ModelConfig] = {}
+        self.active: set[str] = set()  # models whose replicas should serve
+        self.client = EngineClient()
+        self._apply_lock = asyncio.Lock()
+        self._model_locks: dict[str, asyncio.Lock] = {}
         self._rollouts: set[asyncio.Task[None]] = set()
-        self._session: aiohttp.ClientSession | None = None
 
     # ---- lifecycle ----
 
     async def apply(self, config: FleetConfig) -> None:
         """Brings the running replicas in line with ``config`` (serialised across calls)."""
-        async with self._lock:
-            if self._session is None:
-                self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        async with self._apply_lock:
             wanted = {m.name: m for m in config.models if m.local}
             removed = [name for name in self.replicas if name not in wanted]
-            await asyncio.gather(
-                *(self._retire(name, list(self.replicas[name])) for name in removed)
-            )
-            for name in removed:
-                del self.replicas[name]
-            await asyncio.gather(*(self._converge(model) for model in wanted.values()))
+            await asyncio.gather(*(self._remove_model(name) for name in removed))
+            self.models = wanted
+            for model in wanted.values():
+                if not model.on_demand:
+                    self.active.add(model.name)
+            self.active &= set(wanted)
+            await asyncio.gather(*(self._converge_locked(m.name) for m in wanted.values()))
 
     def apply_soon(self, config: FleetConfig) -> None:
         """For config listeners, which cannot wait: applies in the background."""
-        task = asyncio.create_task(self._apply_logged(config))
-        self._rollouts.add(task)
-        task.add_done_callback(self._rollouts.discard)
-
-    async def _apply_logged(self, config: FleetConfig) -> None:
-        try:
-            await self.apply(config)
-        except Exception:
-            log.exception("applying the engine pool config failed")
+        self._background(self.apply(config), "applying the engine pool config")
 
     async def stop(self) -> None:
         for task in list(self._rollouts):
             task.cancel()
-        async with self._lock:
-            await asyncio.gather(
-                *(self._stop_replica(r) for rs in self.replicas.values() for r in rs)
-            )
-            for name in self.replicas:
-                self.publish(name, [])
-            self.replicas.clear()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        async with self._apply_lock:
+            await asyncio.gather(*(self._remove_model(name) for name in list(self.replicas)))
+        await self.client.close()
+
+    async def _remove_model(self, name: str) -> None:
+        async with self._lock(name):
+            await self._retire(name, list(self.replicas.get(name, [])))
+            self.replicas.pop(name, None)
+            self.active.discard(name)
+            self.publish(name, [])
+
+    def _background(self, work: object, what: str) -> None:
+        async def logged() -> None:
+            try:
+                await work  # type: ignore[misc]
+            except Exception:
+                log.exception("%s failed", what)
+
+        task = asyncio.create_task(logged())
+        self._rollouts.add(task)
+        task.add_done_callback(self._rollouts.discard)
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._model_locks.setdefault(name, asyncio.Lock())
+
+    # ---- residency: what the manager asks for ----
+
+    async def activate(self, name: str) -> bool:
+        """Makes ``name`` serve: wakes its parked replicas, starts missing ones; True when at least
+        one replica is READY at the end."""
+        model = self.models.get(name)
+        if model is None:
+            return False
+        self.active.add(name)
+        async with self._lock(name):
+            parked = [r for r in self.replicas.get(name, []) if r.state is S.PARKED]
+            await asyncio.gather(*(self._wake(r) for r in parked))
+            await self._converge(name)
+        return any(r.state is S.READY for r in self.replicas.get(name, []))
+
+    async def park(self, name: str) -> bool:
+        """Puts every READY replica of ``name`` to sleep; True when all of them sleep."""
+        self.active.discard(name)
+        async with self._lock(name):
+            ready = [r for r in self.replicas.get(name, []) if r.state is S.READY]
+            results = await asyncio.gather(*(self._park(r) for r in ready))
+        return all(results)
+
+    async def deactivate(self, name: str) -> None:
+        """Stops every replica of ``name`` (drained first)."""
+        self.active.discard(name)
+        async with self._lock(name):
+            await self._retire(name, list(self.replicas.get(name, [])))
+
+    def states(self, name: str) -> list[ReplicaState]:
+        return [r.state for r in self.replicas.get(name, [])]
+
+    async def _park(self, replica: Replica) -> bool:
+        replica.set_state(S.PARKING)  # out of the router
+        await self._drain(replica)
+        status, body = await self.client.post(replica.url, "/sleep?level=1", SLEEP_TIMEOUT_S)
+        if replica.state is not S.PARKING:  # crashed or stopped meanwhile
+            return False
+        if status != 200:
+            log.warning("replica %s#%d would not sleep (%s): %s", replica.model, replica.index,
+                        status, body)  # fmt: skip
+            replica.set_state(S.READY, f"sleep refused: {status}")
+            return False
+        replica.set_state(S.PARKED)
+        return True
+
+    async def _wake(self, replica: Replica) -> bool:
+        replica.set_state(S.WAKING)
+        status, body = await self.client.post(replica.url, "/wake_up", SLEEP_TIMEOUT_S)
+        if replica.state is not S.WAKING:
+            return False
+        if status == 200 and await self._wait_ready(replica, S.WAKING):
+            replica.set_state(S.READY)
+            return True
+        log.error("replica %s#%d did not wake (%s): %s", replica.model, replica.index, status, body)
+        await self._stop_replica(replica)
+        return False
 
     # ---- convergence ----
 
-    async def _converge(self, model: ModelConfig) -> None:
+    async def _converge_locked(self, name: str) -> None:
+        async with self._lock(name):
+            await self._converge(name)
+
+    async def _converge(self, name: str) -> None:
+        """Replaces stale replicas and matches the replica count (active models), or stops the
+        stale ones (inactive models). The caller holds the model's lock."""
+        model = self.models[name]
         spec = spec_of(model)
-        current = self.replicas.setdefault(model.name, [])
-        stale = [r for r in current if r.spec != spec]
-        for replica in current:
+        current = self.replicas.setdefault(name, [])
+        gone = [r for r in current if r.state in (S.FAILED, S.STOPPED)]
+        if gone:
+            await self._retire(name, gone)
+        stale = [r for r in self.replicas[name] if r.spec != spec]
+        for replica in self.replicas[name]:
             if replica.spec == spec:  # stale ones keep theirs: what they run (and restart with)
                 replica.config = model
+        if name not in self.active:
+            if stale:
+                await self._retire(name, stale)
+            return
         # Replace stale replicas one at a time: new one up first, then the old one out; on a GPU
         # without room for both, the old one out first.
         for old in stale:
             if self._gpu_in_use() + model.gpu_share > MAX_GPU_FRACTION_SUM:
-                log.info("model %s: no GPU memory for a new replica beside the old", model.name)
-                await self._retire(model.name, [old])
+                log.info("model %s: no GPU memory for a new replica beside the old", name)
+                await self._retire(name, [old])
                 if not await self._add_replica(model, spec):
-                    log.error(
-                        "model %s: new replica did not become ready; restarting the old one",
-                        model.name,
-                    )
+                    log.error("model %s: new replica did not become ready; restarting the old one",
+                              name)  # fmt: skip
                     await self._add_replica(old.config, old.spec)
                     return
                 continue
             if not await self._add_replica(model, spec):
-                log.error(
-                    "model %s: new replica did not become ready; keeping the old ones", model.name
-                )
+                log.error("model %s: new replica did not become ready; keeping the old ones", name)
                 return
-            await self._retire(model.name, [old])
+            await self._retire(name, [old])
         # Scaling down keeps first the replicas whose spin-wait suits the fleet as it will be: a
         # spinner left from a lone start is kept when the model is back to one replica (fast
         # again), and goes first otherwise.
         fresh = sorted(
-            (r for r in self.replicas[model.name] if r.spec == spec),
+            (r for r in self.replicas[name] if r.spec == spec),
             key=lambda r: r.spin_wait != model.spin_wait,
         )
         for _ in range(model.replicas - len(fresh)):
             if not await self._add_replica(model, spec):
-                log.error("model %s: replica did not become ready", model.name)
+                log.error("model %s: replica did not become ready", name)
                 return
         surplus = fresh[model.replicas :]
         if surplus:
-            await self._retire(model.name, surplus)
+            await self._retire(name, surplus)
 
     def _gpu_in_use(self) -> float:
-        """The GPU memory fraction of every replica started and not yet stopped."""
-        return sum(r.config.gpu_share for rs in self.replicas.values() for r in rs)
+        """The GPU memory fraction of every replica awake (parked ones hold no KV pools)."""
+        return sum(
+            r.config.gpu_share
+            for rs in self.replicas.values()
+            for r in rs
+            if r.state not in (S.PARKED, S.STOPPED, S.FAILED)
+        )
 
     async def _add_replica(self, model: ModelConfig, spec: tuple[str, ...]) -> bool:
-        replica = Replica(model=model.name, spec=spec, config=model)
+        """Starts a replica and waits until it is READY (True) or has failed (False: it stays,
+        FAILED, when it is the model's only one, so that its log lines can be seen)."""
+        taken = {r.index for r in self.replicas[model.name]}
+        index = next(i for i in range(len(taken) + 1) if i not in taken)  # bounded metric label
+        replica = Replica(model.name, spec, model, self._transition, index=index)
         self.replicas[model.name].append(replica)
         replica.supervisor = asyncio.create_task(self._supervise(replica))
-        ready = asyncio.ensure_future(replica.became_ready.wait())
-        failed = asyncio.ensure_future(replica.failed.wait())
-        try:
-            await asyncio.wait((ready, failed), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ready.cancel()
-            failed.cancel()
-        if replica.became_ready.is_set():
+        while replica.state not in (S.READY, S.FAILED) and not replica.supervisor.done():
+            await replica.wait_change(1.0)
+        if replica.state is S.READY:
             return True
-        await self._retire(model.name, [replica])
+        others = [r for r in self.replicas[model.name] if r is not replica]
+        if any(r.state not in LEAVING for r in others):
+            await self._retire(model.name, [replica])
         return False
 
     async def _retire(self, model: str, replicas: list[Replica]) -> None:
         """Out of the router first, then drain, then stop."""
-        backends = [r.backend for r in replicas if r.ready]
         for replica in replicas:
-            replica.stopping = True
-        self._publish(model, exclude=replicas)
-        deadline = time.monotonic() + self.drain_timeout_s
-        for backend in backends:
-            while backend is not None and backend.outstanding > 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            if replica.state in (S.READY, S.PARKING, S.WAKING):
+                replica.set_state(S.DRAINING if replica.state is S.READY else S.STOPPING)
+        await asyncio.gather(*(self._drain(r) for r in replicas))
         await asyncio.gather(*(self._stop_replica(r) for r in replicas))
         remaining = [r for r in self.replicas.get(model, []) if r not in replicas]
         if model in self.replicas:
             self.replicas[model] = remaining
 
-    def _publish(self, model: str, exclude: Collection[Replica] = ()) -> None:
-        urls = [
-            r.url
-            for r in self.replicas.get(model, [])
-            if r.ready and not r.stopping and r not in exclude
-        ]
-        self.publish(model, urls)
+    async def _drain(self, replica: Replica) -> None:
+        """Waits (up to drain_timeout_s) for the replica's in-flight requests to finish."""
+        backend = replica.backend
+        if not isinstance(backend, Backend):
+            return
+        deadline = time.monotonic() + self.drain_timeout_s
+        while backend.outstanding > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def _transition(self, replica: Replica, old: ReplicaState) -> None:
+        if S.READY in (old, replica.state):
+            self.publish(replica.model, [
+                r.url for r in self.replicas.get(replica.model, []) if r.state is S.READY
+            ])  # fmt: skip
+        if replica.state is S.READY and replica.backend is None:
+            # Kept so that draining can count its in-flight requests even after the router
+            # dropped it (say, because its model left the config).
+            replica.backend = self.find_backend(replica.model, replica.url)
+        if self.on_transition is not None:
+            self.on_transition(replica, old)
 
     # ---- one replica ----
 
     async def _supervise(self, replica: Replica) -> None:
         """Start, wait for /ready, watch; restart with backoff after an unexpected exit."""
         backoff = BACKOFF_BASE_S
-        while not replica.stopping:
+        crashes = 0
+        while True:
             replica.port = free_port()
             # Spin-wait is decided here, at every start, from the fleet as configured now
             # (replica.config follows reloads); a running engine keeps what it started with.
@@ -282,87 +322,82 @@ class EnginePool:
             )
             log.info("starting engine for %s on port %d", replica.model, replica.port)
             try:
-                replica.proc = await asyncio.create_subprocess_exec(
-                    # stdout to our stderr (fd 2): the gateway's stdout is its access log.
-                    *command,
-                    cwd=self.cwd,
-                    stdout=2,
-                    stderr=None,
-                    start_new_session=True,
-                )  # our SIGINT is not theirs: we stop them in order
+                replica.proc = await spawn(command, self.cwd)
             except OSError as exc:
-                log.error("cannot start engine for %s: %s", replica.model, exc)
-                replica.failed.set()
+                replica.log_tail.append(f"cannot start the engine: {exc}")
+                replica.set_state(S.STARTING)
+                replica.set_state(S.FAILED, str(exc))
                 return
+            replica.backend = None
+            replica.set_state(S.STARTING, f"pid {replica.proc.pid}")
+            output = asyncio.create_task(relay_output(replica.proc, replica.log_tail))
             started = time.monotonic()
-            if await self._wait_ready(replica):
-                replica.ready = True
-                replica.became_ready.set()
-                self._publish(replica.model)
-                # Kept so that draining can count its in-flight requests even after the
-                # router dropped it (say, because its model left the config).
-                replica.backend = self.find_backend(replica.model, replica.url)
+            if await self._wait_ready(replica, S.STARTING):
+                replica.set_state(S.READY)
                 log.info("engine for %s ready at %s", replica.model, replica.url)
+            elif replica.state is S.STARTING and replica.proc.returncode is None:
+                log.error("engine for %s not ready after %.0fs; stopping it", replica.model,
+                          self.startup_timeout_s)  # fmt: skip
+                send_signal(replica.proc, signal.SIGKILL)
             code = await replica.proc.wait()
-            was_ready, replica.ready = replica.ready, False
-            if replica.stopping:
+            await output
+            state = replica.state
+            if state is S.STOPPING:
+                return  # asked to stop: the stopper finishes the transition
+            if state is S.DRAINING or state is S.PARKED:
+                # retiring, or asleep without requests: no point restarting it now
+                replica.set_state(S.STOPPING, f"exited with {code}")
+                replica.set_state(S.STOPPED)
                 return
-            self._publish(replica.model)
-            if not was_ready and not replica.became_ready.is_set():
+            if state is S.STARTING and replica.restarts == 0:
+                # a first start that fails is a config problem: no loop
                 log.error("engine for %s exited with %s before it was ready", replica.model, code)
-                replica.failed.set()  # a first start that fails is a config problem: no loop
+                replica.set_state(S.FAILED, f"exited with {code} before it was ready")
                 return
-            if time.monotonic() - started > STABLE_AFTER_S:
+            crashes = 0 if time.monotonic() - started > STABLE_AFTER_S else crashes + 1
+            if crashes == 0:
                 backoff = BACKOFF_BASE_S
+            replica.set_state(S.BACKOFF, f"exited with {code}; restart in {backoff:.1f}s")
+            if crashes >= MAX_CRASHES:
+                replica.set_state(S.FAILED, f"{crashes} crashes in a row")
+                return
             replica.restarts += 1
-            log.error(
-                "engine for %s exited with %s; restarting in %.1fs (restart #%d)",
-                replica.model,
-                code,
-                backoff,
-                replica.restarts,
-            )
-            await asyncio.sleep(backoff)
+            deadline = time.monotonic() + backoff
+            while replica.state is S.BACKOFF and time.monotonic() < deadline:
+                await replica.wait_change(deadline - time.monotonic())
+            if replica.state is not S.BACKOFF:
+                return
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    async def _wait_ready(self, replica: Replica) -> bool:
-        assert replica.proc is not None and self._session is not None
+    async def _wait_ready(self, replica: Replica, state: ReplicaState) -> bool:
+        """Polls /ready while the replica stays in ``state`` and its process runs."""
+        assert replica.proc is not None
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline and replica.proc.returncode is None:
-            if replica.stopping:
+            if replica.state is not state:
                 return False
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                async with self._session.get(replica.url + "/ready") as resp:
-                    if resp.status == 200:
-                        return True
+            if await self.client.ready(replica.url):
+                return replica.state is state
             await asyncio.sleep(READY_POLL_S)
-        if replica.proc.returncode is None:
-            log.error(
-                "engine for %s not ready after %.0fs; stopping it",
-                replica.model,
-                self.startup_timeout_s,
-            )
-            self._signal(replica, signal.SIGKILL)
         return False
 
     async def _stop_replica(self, replica: Replica) -> None:
-        replica.stopping = True
-        replica.ready = False
+        if replica.state is S.STOPPED:
+            return
+        if replica.state is not S.STOPPING:
+            replica.set_state(S.STOPPING)
         proc = replica.proc
         if proc is not None and proc.returncode is None:
-            self._signal(replica, signal.SIGTERM)
+            send_signal(proc, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), self.stop_timeout_s)
             except TimeoutError:
-                self._signal(replica, signal.SIGKILL)
+                send_signal(proc, signal.SIGKILL)
                 await proc.wait()
-        if replica.supervisor is not None and replica.supervisor is not asyncio.current_task():
-            replica.supervisor.cancel()
+        supervisor = replica.supervisor
+        if supervisor is not None and supervisor is not asyncio.current_task():
             with contextlib.suppress(asyncio.CancelledError):
-                await replica.supervisor
-
-    @staticmethod
-    def _signal(replica: Replica, sig: int) -> None:
-        if replica.proc is not None and replica.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(replica.proc.pid, sig)
+                await asyncio.wait_for(asyncio.shield(supervisor), 5)
+            supervisor.cancel()
+        if replica.state is S.STOPPING:
+            replica.set_state(S.STOPPED)

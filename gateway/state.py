@@ -22,6 +22,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import ENGINE_LAUNCHER, EnginePool
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
+from gateway.residency import ResidencyManager
 from gateway.router import Router
 
 log = logging.getLogger("modelyard.gateway")
@@ -55,6 +56,7 @@ class Gateway:
         self.on_config: list[Callable[[FleetConfig], object]] = []
         self.session: aiohttp.ClientSession | None = None
         self.pool: EnginePool | None = None
+        self.residency: ResidencyManager | None = None
         self.access_log = AccessLog()  # stdout
         self.health: HealthMonitor
         self.proxy: Proxy
@@ -78,17 +80,22 @@ class Gateway:
         )
         gw = self.config.gateway
         self.health = HealthMonitor(self.router, self.session, gw.health, gw.ejection)
-        self.proxy = Proxy(self.session, self.health, self.metrics, gw.retries)
-        self.health.sync()
         if self.spawn_engines:
-            # In the background: the gateway answers (503 for models still loading) meanwhile.
             self.pool = EnginePool(
                 self.set_backends,
                 self.router.find,
                 cwd=self.engine_cwd,
                 launcher=self.engine_launcher,
             )
-            self.on_config.append(self.pool.apply_soon)
+            self.residency = ResidencyManager(self.pool, self.router, self.metrics, self.config)
+            self.pool.on_transition = self.residency.on_transition
+        hold = self.residency.wait_for_backend if self.residency else None
+        self.proxy = Proxy(self.session, self.health, self.metrics, gw.retries, hold)
+        self.health.sync()
+        if self.pool is not None and self.residency is not None:
+            # In the background: requests for models still loading wait in their hold lines.
+            self.on_config += [self.residency.configure, self.pool.apply_soon]
+            self.residency.start()
             self.pool.apply_soon(self.config)
         if self.config_path and gw.watch_config:
             self._watch_task = asyncio.create_task(
@@ -105,6 +112,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
         self.access_log.flush()
+        if self.residency is not None:
+            await self.residency.stop()
         if self.pool is not None:
             await self.pool.stop()
         await self.health.close()

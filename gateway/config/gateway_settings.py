@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from common.http_server import ClientLimits
 from gateway.config.reader import ConfigError, Reader
+from gateway.config.residency import read_memory
 from gateway.config.schema import (
     ApiKey,
     AuthSettings,
@@ -36,6 +37,7 @@ def read_gateway(r: Reader) -> GatewaySettings:
         access_log=r.boolean("access_log", d.access_log),
         watch_config=r.boolean("watch_config", d.watch_config),
         auth=_read_auth(r.section("auth")),
+        memory=read_memory(r.section("memory")),
     )
     if settings.auth.open_mode and not is_loopback(host):
         r.error(

@@ -14,7 +14,7 @@ from gateway.config.defaults import read_defaults
 from gateway.config.gateway_settings import read_gateway
 from gateway.config.models import read_model
 from gateway.config.reader import ConfigError, Reader
-from gateway.config.schema import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig
+from gateway.config.schema import FleetConfig, ModelConfig
 
 
 def load_config(path: str | os.PathLike[str]) -> FleetConfig:
@@ -65,13 +65,19 @@ def parse_config(data: Any, file: str = "models.yaml", base_dir: Path | None = N
     local = [m for m in models if m.local]
     if len(local) == 1 and local[0].replicas == 1:  # the only engine (ModelConfig.spin_wait)
         models = [replace(m, spin_wait=True) if m is local[0] else m for m in models]
-    gpu_sum = sum(m.gpu_share * m.replicas for m in models)
-    if gpu_sum > MAX_GPU_FRACTION_SUM:
+    # Pinned engines are all awake at once; on-demand ones only as the budget allows, so each
+    # must fit on its own.
+    budget = gateway.memory.gpu_fraction
+    gpu_sum = sum(m.gpu_share * m.replicas for m in models if not m.on_demand)
+    if gpu_sum > budget:
         root.error(
             "models",
-            f"gpu_memory_fraction x replicas sums to {gpu_sum:.2f} on the GPU; it must be <= "
-            f"{MAX_GPU_FRACTION_SUM}",
+            f"gpu_memory_fraction x replicas of the pinned models sums to {gpu_sum:.2f} on the "
+            f"GPU; it must be <= {budget}",
         )
+    for model in models:
+        if model.on_demand and model.gpu_share * model.replicas > budget:
+            root.error("models", f"{model.name}: gpu_memory_fraction x replicas exceeds {budget}")
     root.finish()
     if problems:
         raise ConfigError(problems)

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 from gateway.config.defaults import read_engine_settings
 from gateway.config.gateway_settings import read_timeouts
 from gateway.config.reader import Reader
+from gateway.config.residency import read_residency
 from gateway.config.schema import (
     AFFINITY_KINDS,
     Affinity,
@@ -21,7 +22,14 @@ from gateway.config.schema import (
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 # Keys that configure engine processes, so only a local model may set them.
-_LOCAL_KEYS = ("replicas", "device", "gpu_memory_fraction", "kv_cache_memory", "engine_args")
+_LOCAL_KEYS = (
+    "replicas",
+    "device",
+    "gpu_memory_fraction",
+    "kv_cache_memory",
+    "engine_args",
+    "memory_estimate",
+)
 
 
 def read_model(
@@ -71,6 +79,7 @@ def read_model(
         upstream_model=r.string("upstream_model"),
         engine_args=r.string_list("engine_args"),
         timeouts=read_timeouts(r.section("timeouts"), gateway.timeouts),
+        **read_residency(r, local=source is not None),
     )
     r.finish()
     return config if name else None

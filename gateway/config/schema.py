@@ -10,6 +10,7 @@ from common.http_server import ClientLimits
 MAX_GPU_FRACTION_SUM = 0.95  # the most every GPU replica's fraction may sum to (one card)
 DEVICES = ("auto", "cpu", "cuda")
 AFFINITY_KINDS = ("none", "prefix", "user")
+RESIDENCY_KINDS = ("pinned", "on_demand")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,17 @@ class AuthSettings:
 
 
 @dataclass(frozen=True)
+class MemoryBudget:
+    """What every resident engine may use together (``gateway.memory``): host memory in bytes
+    (None: ``auto_cpu_share`` of the machine's RAM, read at start) and, per GPU, a fraction."""
+
+    cpu_bytes: int | None = None
+    auto_cpu_share: float = 0.75
+    gpu_fraction: float = MAX_GPU_FRACTION_SUM
+    park: bool = True  # evict by parking first; False: always stop (cold swaps, no parked floors)
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -79,6 +91,7 @@ class GatewaySettings:
     access_log: bool = True
     watch_config: bool = True  # reload when models.yaml changes on disk
     auth: AuthSettings = AuthSettings()
+    memory: MemoryBudget = MemoryBudget()
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,14 @@ class Affinity:
 
 
 @dataclass(frozen=True)
+class HoldQueue:
+    """Requests held while a model has no ready replica (loading, waking, restarting)."""
+
+    max_requests: int = 64
+    max_wait_s: float = 120.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     aliases: tuple[str, ...] = ()
@@ -130,6 +151,17 @@ class ModelConfig:
     limits: ModelLimits = ModelLimits()
     timeouts: Timeouts = Timeouts()
     affinity: Affinity = Affinity()
+    # Residency (local models): "pinned" engines run from start to stop; "on_demand" ones start
+    # at their first request and are parked (or stopped) after idle_ttl_s without requests.
+    residency: str = "pinned"  # one of RESIDENCY_KINDS
+    idle_ttl_s: float = 600.0
+    priority: int = 0  # among idle on-demand models, lower priorities are evicted first
+    memory_estimate: int | None = None  # one replica's footprint until the engine reports one
+    queue: HoldQueue = HoldQueue()
+
+    @property
+    def on_demand(self) -> bool:
+        return self.local and self.residency == "on_demand"
 
     @property
     def local(self) -> bool:

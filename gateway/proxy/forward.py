@@ -15,7 +15,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import stream, unary
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.failures import UpstreamFailure
-from gateway.proxy.retries import Retrier
+from gateway.proxy.retries import Hold, Retrier
 from gateway.proxy.upstream import Upstream
 
 
@@ -26,7 +26,9 @@ class Proxy:
         health: HealthMonitor,
         metrics: GatewayMetrics,
         retries: RetrySettings,
+        hold: Hold | None = None,
     ) -> None:
+        self.hold = hold  # waits for a local model's replica (gateway.residency)
         self.health = health
         self.metrics = metrics
         self.upstream = Upstream(session, health, metrics)
@@ -36,7 +38,7 @@ class Proxy:
 
     def configure(self, retries: RetrySettings) -> None:
         """Applies new retry settings (a fresh retry budget with them)."""
-        self.retrier = Retrier(retries, self.health, self.metrics)
+        self.retrier = Retrier(retries, self.health, self.metrics, self.hold)
 
     async def forward(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         ex.task = asyncio.current_task()

@@ -10,7 +10,7 @@ gateway's whole per-request CPU.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
@@ -24,16 +24,26 @@ from gateway.proxy import failures
 from gateway.proxy.budget import RetryBudget
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.failures import Retryable, UpstreamFailure
+from gateway.router import ModelRoute
 
 T = TypeVar("T")
 Attempt = Callable[[Exchange, Backend], Awaitable[T]]  # one try on one backend
+# Waits while the route's model has no replica up (loading, waking, restarting) besides the ones
+# tried, or raises the UpstreamFailure the client gets; returns at once when there is nothing to
+# wait for.
+Hold = Callable[[ModelRoute, Collection[Backend]], Awaitable[None]]
 
 
 class Retrier:
     def __init__(
-        self, settings: RetrySettings, health: HealthMonitor, metrics: GatewayMetrics
+        self,
+        settings: RetrySettings,
+        health: HealthMonitor,
+        metrics: GatewayMetrics,
+        hold: Hold | None = None,
     ) -> None:
         self.settings = settings
+        self.hold = hold
         self.health = health
         self.metrics = metrics
         self.budget = RetryBudget(settings)
@@ -77,6 +87,9 @@ class Retrier:
 
     async def _try(self, ex: Exchange, attempt: Attempt[T], tried: list[Backend]) -> T:
         backend = ex.route.pick(tried, ex.affinity_key)
+        if backend is None and self.hold is not None:
+            await self.hold(ex.route, tried)  # a replica loading or restarting: wait for it
+            backend = ex.route.pick(tried, ex.affinity_key)
         if backend is None:
             if ex.last_failure is not None:  # every replica tried: answer with the last failure
                 raise ex.last_failure.final()

@@ -20,12 +20,14 @@ import yaml
 from aiohttp import web
 
 from common.net import free_port
+from gateway import pool as gateway_pool
 from gateway.app import Gateway, create_app
 from gateway.config import load_config, parse_config
 from gateway.router import ModelRoute, Router
 from gateway.server import GatewayRunner
 
 MOCK_SCRIPT = Path(__file__).with_name("mock_upstream.py")
+FAKE_ENGINE = (sys.executable, str(Path(__file__).with_name("fake_engine.py")))
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -207,3 +209,27 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture
+async def pooled(tmp_path, monkeypatch):
+    """start(models.yaml document) → (gateway, url, path): a gateway whose engine pool spawns
+    tests/gateway/fake_engine.py processes, with quick backoff and readiness polls."""
+    monkeypatch.setattr(gateway_pool, "BACKOFF_BASE_S", 0.2)
+    monkeypatch.setattr(gateway_pool, "READY_POLL_S", 0.05)
+    runners = []
+
+    async def start(doc: dict):
+        path = tmp_path / "models.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        gateway = Gateway(load_config(path), str(path), engine_launcher=FAKE_ENGINE)
+        runner = web.AppRunner(create_app(gateway), handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return gateway, f"http://127.0.0.1:{port}", path
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()

@@ -1,13 +1,19 @@
 """Stands in for ``python -m engine`` in pool tests: takes the engine's flags, serves the mock
 upstream's API under ``--served-model-name``, and answers /ready only after ``--ready-delay-s``.
+It parks and wakes as the engine does (``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``:
+asleep, /ready and completions answer 503) and reports a memory footprint on ``GET /status``.
 
 Test-only flags (passed through ``engine_args`` in models.yaml): ``--ready-delay-s S``,
-``--fail-start`` (exit 3 at once, as an engine with a bad model would).
+``--fail-start`` (exit 3 at once, as an engine with a bad model would), ``--rss-bytes N`` and
+``--parked-rss-bytes N`` (what /status reports awake and asleep), ``--wake-delay-s S``,
+``--crash-after-s S`` (exit 1 that long after starting, as a crashing engine would).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,20 +29,72 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ready-delay-s", type=float, default=0.0)
+    parser.add_argument("--wake-delay-s", type=float, default=0.05)
     parser.add_argument("--fail-start", action="store_true")
+    parser.add_argument("--rss-bytes", type=int, default=0)
+    parser.add_argument("--parked-rss-bytes", type=int, default=0)
+    parser.add_argument("--crash-after-s", type=float, default=None)
     args, _engine_flags = parser.parse_known_args()
     if args.fail_start or not Path(args.model).exists():
+        print("fake engine: cannot load the model", flush=True)
         sys.exit(3)
     mock = MockUpstream(args.served_model_name)
     ready_at = time.monotonic() + args.ready_delay_s
+    sleeping = {"now": False, "parks": 0, "wakes": 0}
     base_ready = mock.ready
+    base_completions = mock.completions
+
+    def asleep() -> web.Response:
+        error = {"message": "asleep", "type": "server_error", "param": None,
+                 "code": "engine_sleeping"}  # fmt: skip
+        return web.json_response({"error": error}, status=503, headers={"Retry-After": "1"})
 
     async def ready(request: web.Request) -> web.Response:
         if time.monotonic() < ready_at:
             return web.json_response({"status": "loading"}, status=503)
+        if sleeping["now"]:
+            return web.json_response({"status": "sleeping"}, status=503)
         return await base_ready(request)
 
+    async def completions(request: web.Request) -> web.StreamResponse:
+        if sleeping["now"]:
+            return asleep()
+        return await base_completions(request)
+
+    async def sleep(request: web.Request) -> web.Response:
+        sleeping["now"] = True
+        sleeping["parks"] += 1
+        return web.json_response({"is_sleeping": True})
+
+    async def wake_up(request: web.Request) -> web.Response:
+        await asyncio.sleep(args.wake_delay_s)
+        sleeping["now"] = False
+        sleeping["wakes"] += 1
+        return web.json_response({"is_sleeping": False})
+
+    async def status(request: web.Request) -> web.Response:
+        rss = args.parked_rss_bytes if sleeping["now"] else args.rss_bytes
+        memory = {"rss_bytes": rss} if rss else {}
+        park = {"parks": sleeping["parks"], "wakes": sleeping["wakes"]}
+        return web.json_response({"sleeping": sleeping["now"], "memory": memory, "park": park})
+
     mock.ready = ready  # type: ignore[method-assign]
+    mock.completions = completions  # type: ignore[method-assign]
+    app = mock.app()
+    app.router.add_post("/sleep", sleep)
+    app.router.add_post("/wake_up", wake_up)
+    app.router.add_get(
+        "/is_sleeping", lambda _: web.json_response({"is_sleeping": sleeping["now"]})
+    )
+    app.router.add_get("/status", status)
+    if args.crash_after_s is not None:
+
+        async def crash_later(app: web.Application) -> None:
+            loop = asyncio.get_running_loop()
+            loop.call_later(args.crash_after_s, lambda: os._exit(1))
+
+        app.on_startup.append(crash_later)
+    mock.app = lambda: app  # type: ignore[method-assign]
     serve(mock, args.host, args.port)
 
 

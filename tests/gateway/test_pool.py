@@ -6,22 +6,17 @@ import asyncio
 import itertools
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from aiohttp import web
 
-from common.net import free_port
-from gateway import pool as pool_module
-from gateway.app import Gateway, create_app
+from gateway.app import Gateway
 from gateway.config import load_config
 from gateway.pool import engine_command
+from gateway.replica import ReplicaState
 from tests.gateway.test_resilience import wait_for
-
-FAKE_ENGINE = (sys.executable, str(Path(__file__).with_name("fake_engine.py")))
 
 
 def local_fleet(tmp_path: Path, replicas: int = 2, **model) -> dict:
@@ -46,28 +41,6 @@ def local_fleet(tmp_path: Path, replicas: int = 2, **model) -> dict:
             }
         ],
     }
-
-
-@pytest.fixture
-async def pooled(tmp_path, monkeypatch):
-    monkeypatch.setattr(pool_module, "BACKOFF_BASE_S", 0.2)
-    monkeypatch.setattr(pool_module, "READY_POLL_S", 0.05)
-    runners = []
-
-    async def start(doc: dict):
-        path = tmp_path / "models.yaml"
-        path.write_text(yaml.safe_dump(doc))
-        gateway = Gateway(load_config(path), str(path), engine_launcher=FAKE_ENGINE)
-        runner = web.AppRunner(create_app(gateway), handler_cancellation=True)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        return gateway, f"http://127.0.0.1:{port}", path
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 def pids(gateway: Gateway) -> set[int]:
@@ -187,7 +160,9 @@ async def test_spawn_route_restart_and_stop(pooled, tmp_path):
     )
     route = gateway.router.resolve("local")
     async with aiohttp.ClientSession() as session:
-        assert await chat(session, url) == 503  # still loading: fast 503, not a hang
+        # still loading: the request is held until a replica is ready, not refused
+        assert await chat(session, url) == 200
+        assert gateway.metrics.hold_wait.labels("local")._sum.get() > 0
         await wait_for(lambda: len(route.backends) == 2, timeout=15)
         assert await chat(session, url) == 200
         ready = await (await session.get(url + "/ready")).json()
@@ -205,7 +180,9 @@ async def test_spawn_route_restart_and_stop(pooled, tmp_path):
         task = asyncio.create_task(traffic())
         await asyncio.sleep(0.2)
         os.kill(old_pid, signal.SIGKILL)
-        await wait_for(lambda: victim.proc.pid != old_pid and victim.ready, timeout=10)
+        await wait_for(
+            lambda: victim.proc.pid != old_pid and victim.state is ReplicaState.READY, timeout=10
+        )
         await task
         assert statuses and set(statuses) == {200}
         assert victim.restarts == 1
@@ -239,7 +216,7 @@ async def test_rolling_reload_without_dropping_requests(pooled, tmp_path):
             lambda: (
                 not (pids(gateway) & before)
                 and len(route.backends) == 2
-                and all(r.ready for r in gateway.pool.replicas["local"])
+                and all(r.state is ReplicaState.READY for r in gateway.pool.replicas["local"])
             ),
             timeout=20,
         )

@@ -239,6 +239,6 @@ def test_gpu_fractions_on_cpu_do_not_count(model_file):
     assert problems_of(
         document([local(replicas=2, gpu_memory_fraction=0.6)]), model_file.parent
     ) == [
-        "models.yaml: models: gpu_memory_fraction x replicas sums to 1.20 on the GPU; it must be "
-        "<= 0.95"
+        "models.yaml: models: gpu_memory_fraction x replicas of the pinned models sums to 1.20 "
+        "on the GPU; it must be <= 0.95"
     ]

@@ -1,0 +1,65 @@
+"""Admin endpoints for residency (admin key required): ``GET /admin/models`` shows each model's
+state, footprint, held requests and replicas, and the memory budget; ``POST
+/admin/models/{name}/load``, ``/park`` and ``/unload`` act on one local model and answer when
+done."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from common.errors import RequestRefused, excerpt
+from gateway.residency import ResidencyManager
+from gateway.state import GATEWAY_KEY
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY_KEY]
+    residency = gw.residency
+    listed = []
+    for route in gw.router.routes.values():
+        entry: dict[str, object] = {
+            "name": route.name,
+            "local": route.config.local,
+            "in_flight": route.inflight,
+        }
+        if residency is not None and route.name in residency.models:
+            entry.update(residency.describe(route.name))
+        else:
+            entry["state"] = "ready" if any(b.available for b in route.backends) else "unavailable"
+        listed.append(entry)
+    budget = residency.budget() if residency is not None else None
+    return web.json_response({"memory": budget, "models": listed})
+
+
+def _local_model(request: web.Request) -> tuple[ResidencyManager, str]:
+    gw = request.app[GATEWAY_KEY]
+    name = request.match_info["name"]
+    route = gw.router.resolve(name)
+    if gw.residency is None or route is None or route.name not in gw.residency.models:
+        raise RequestRefused(
+            404, f"No local model '{excerpt(name)}'.", param="name", code="model_not_found"
+        )
+    return gw.residency, route.name
+
+
+async def load(request: web.Request) -> web.Response:
+    residency, name = _local_model(request)
+    if not await residency.load(name):
+        raise RequestRefused(
+            503,
+            f"Model '{name}' did not become ready; see its replicas in /admin/models.",
+            code="model_failed",
+        )
+    return web.json_response({"model": name, **residency.describe(name)})
+
+
+async def park(request: web.Request) -> web.Response:
+    residency, name = _local_model(request)
+    await residency.park(name)
+    return web.json_response({"model": name, **residency.describe(name)})
+
+
+async def unload(request: web.Request) -> web.Response:
+    residency, name = _local_model(request)
+    await residency.unload(name)
+    return web.json_response({"model": name, **residency.describe(name)})

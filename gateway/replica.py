@@ -1,0 +1,143 @@
+"""One engine process of a local model, and its lifecycle as an explicit state machine.
+
+::
+
+    STOPPED ─► STARTING ─► READY ─► PARKING ─► PARKED ─► WAKING ─► READY
+                  │          │                   │          │
+                  │          └─► DRAINING ─► STOPPING ─► STOPPED
+                  ├─► FAILED      (every running state ─► BACKOFF ─► STARTING after a crash)
+
+Only READY takes requests: the router is told the READY replicas of a model on every transition
+(the one setter, :meth:`Replica.set_state`, which also logs it and reports it to the metrics). A
+transition the table does not allow raises :class:`InvalidTransition`: a supervisor bug shows up
+loudly instead of leaving a replica in a state nobody planned for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.config import ModelConfig
+
+log = logging.getLogger("modelyard.pool")
+
+LOG_TAIL_LINES = 20
+
+
+class ReplicaState(enum.Enum):
+    STOPPED = "stopped"  # no process (not started yet, or stopped for good)
+    STARTING = "starting"  # process spawned, loading, /ready not yet 200
+    READY = "ready"  # serving: in the router
+    PARKING = "parking"  # out of the router, finishing its requests, then POST /sleep
+    PARKED = "parked"  # process alive, weights and KV cache released (POST /sleep done)
+    WAKING = "waking"  # POST /wake_up sent
+    DRAINING = "draining"  # out of the router, finishing its requests before it stops
+    STOPPING = "stopping"  # SIGTERM sent (SIGKILL after stop_timeout_s)
+    BACKOFF = "backoff"  # crashed; restarts after an exponential backoff
+    FAILED = "failed"  # would not start, or crashed too often: waits for an operator or a reload
+
+
+S = ReplicaState
+TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
+    S.STOPPED: frozenset({S.STARTING}),
+    S.STARTING: frozenset({S.READY, S.BACKOFF, S.FAILED, S.STOPPING}),
+    S.READY: frozenset({S.PARKING, S.DRAINING, S.BACKOFF, S.STOPPING}),
+    # back to READY: the engine refused to sleep (or could not be reached) and still serves
+    S.PARKING: frozenset({S.PARKED, S.READY, S.BACKOFF, S.STOPPING}),
+    S.PARKED: frozenset({S.WAKING, S.STOPPING, S.BACKOFF}),
+    S.WAKING: frozenset({S.READY, S.BACKOFF, S.STOPPING}),
+    S.DRAINING: frozenset({S.STOPPING}),
+    S.STOPPING: frozenset({S.STOPPED}),
+    S.BACKOFF: frozenset({S.STARTING, S.STOPPING, S.FAILED}),
+    S.FAILED: frozenset({S.STOPPING}),
+}
+# A process exists (was spawned and not yet reaped) in these states.
+RUNNING = frozenset({S.STARTING, S.READY, S.PARKING, S.PARKED, S.WAKING, S.DRAINING})
+# The replica is on its way out: nothing may start or wake it again.
+LEAVING = frozenset({S.DRAINING, S.STOPPING, S.STOPPED, S.FAILED})
+
+
+class InvalidTransition(RuntimeError):
+    """A state change the table does not allow: a bug in whoever asked for it."""
+
+
+# Called after every transition with the replica and the state it left.
+ReplicaListener = Callable[["Replica", ReplicaState], None]
+
+
+@dataclass(eq=False)
+class Replica:
+    model: str
+    spec: tuple[str, ...]
+    config: ModelConfig
+    listener: ReplicaListener
+    index: int = 0  # its number among the model's replicas (a metrics label)
+    port: int = 0
+    proc: asyncio.subprocess.Process | None = None
+    spin_wait: bool = False  # whether the running process got --spin-wait
+    restarts: int = 0
+    supervisor: asyncio.Task[None] | None = None
+    backend: object | None = None  # its router Backend (gateway.backend), for draining
+    since: float = field(default_factory=time.monotonic)  # when the current state began
+    left_after_s: float = 0.0  # how long the state it last left had lasted
+    log_tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES)
+    )
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set on every transition
+    _state: ReplicaState = ReplicaState.STOPPED
+
+    @property
+    def state(self) -> ReplicaState:
+        return self._state
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def set_state(self, new: ReplicaState, why: str = "") -> None:
+        """The one way a replica changes state: checked against TRANSITIONS, logged, reported."""
+        old = self._state
+        if new not in TRANSITIONS[old]:
+            raise InvalidTransition(
+                f"replica {self.model}#{self.index}: {old.value} -> {new.value}"
+            )
+        self._state = new
+        now = time.monotonic()
+        self.left_after_s, self.since = now - self.since, now
+        log.info(
+            "replica %s#%d: %s -> %s%s",
+            self.model,
+            self.index,
+            old.value,
+            new.value,
+            f" ({why})" if why else "",
+        )
+        self.changed.set()
+        self.changed = asyncio.Event()
+        self.listener(self, old)
+
+    async def wait_change(self, timeout_s: float) -> None:
+        """Returns at the next transition, or after ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), max(0.0, timeout_s))
+
+    def describe(self) -> dict[str, object]:
+        """What ``/admin/models`` shows of it."""
+        info: dict[str, object] = {
+            "index": self.index,
+            "state": self._state.value,
+            "for_s": round(time.monotonic() - self.since, 3),
+            "url": self.url if self.port else None,
+            "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
+            "restarts": self.restarts,
+        }
+        if self._state in (S.FAILED, S.BACKOFF):
+            info["last_log_lines"] = list(self.log_tail)
+        return info

@@ -1,0 +1,377 @@
+"""The residency manager: loads on-demand models at their first request, parks them after
+``idle_ttl_s`` without requests, and makes room within the memory budget (plan.py) when a model
+must load; requests wait for it in its hold line (hold.py), which also covers a model whose
+replicas are restarting after a crash.
+
+It drives the engine pool (``activate`` / ``park`` / ``deactivate``) and hears every replica
+transition from it (``on_transition``), which releases held requests, measures footprints and
+keeps the metrics in step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from gateway.backend import Backend
+from gateway.config import FleetConfig, MemoryBudget, ModelConfig
+from gateway.engine_process import has_exited
+from gateway.metrics import GatewayMetrics
+from gateway.pool import EnginePool
+from gateway.proxy.failures import UpstreamFailure
+from gateway.replica import Replica, ReplicaState
+from gateway.residency.footprint import Footprint, estimate, machine_ram_bytes, measured_rss
+from gateway.residency.hold import HoldLine, refusal
+from gateway.residency.plan import Eviction, Need, Resident, plan_room
+from gateway.router import ModelRoute, Router
+
+log = logging.getLogger("modelyard.residency")
+
+S = ReplicaState
+AWAKE = frozenset({S.STARTING, S.READY, S.WAKING, S.PARKING, S.DRAINING, S.BACKOFF, S.STOPPING})
+# A load is under way (or a restart): a ready replica will come without being asked.
+COMING = frozenset({S.STARTING, S.WAKING, S.BACKOFF})
+# The model states /admin/models and /v1/models show, the first of its replicas' states that
+# holds in this order ("stopped" when it has no replica).
+_MODEL_STATE_ORDER = (
+    S.READY, S.WAKING, S.STARTING, S.BACKOFF, S.PARKING, S.PARKED, S.DRAINING, S.STOPPING, S.FAILED,
+)  # fmt: skip
+PLAN_RETRY_S = 0.25  # a load waiting for room looks again this often
+CRASH_NOTICE_S = 0.5
+
+
+@dataclass
+class ModelResidency:
+    config: ModelConfig
+    hold: HoldLine
+    footprint: Footprint
+    last_used: float = field(default_factory=time.monotonic)
+    loading: asyncio.Task[bool] | None = None
+
+
+class ResidencyManager:
+    def __init__(
+        self,
+        pool: EnginePool,
+        router: Router,
+        metrics: GatewayMetrics,
+        config: FleetConfig,
+    ) -> None:
+        self.pool = pool
+        self.router = router
+        self.metrics = metrics
+        self.models: dict[str, ModelResidency] = {}
+        self.budget_bytes = 0
+        self.budget_gpu = 0.0
+        self.park_evicted = True
+        self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.configure(config)
+
+    # ---- configuration and lifecycle ----
+
+    def configure(self, config: FleetConfig) -> None:
+        self._set_budget(config.gateway.memory)
+        models: dict[str, ModelResidency] = {}
+        for model in config.models:
+            if not model.local:
+                continue
+            current = self.models.get(model.name)
+            if current is None:
+                current = ModelResidency(model, self._hold_line(model), estimate(model))
+            elif current.config != model:
+                current.hold.settings = model.queue
+                if not current.footprint.measured or current.config.source != model.source:
+                    current.footprint = estimate(model)
+            current.config = model
+            models[model.name] = current
+            self.metrics.declare_residency(model.name)
+        self.models = models
+
+    def _set_budget(self, memory: MemoryBudget) -> None:
+        self.budget_bytes = memory.cpu_bytes or int(machine_ram_bytes() * memory.auto_cpu_share)
+        self.budget_gpu = memory.gpu_fraction
+        self.park_evicted = memory.park
+        self.metrics.memory_budget.set(self.budget_bytes)
+
+    def _hold_line(self, model: ModelConfig) -> HoldLine:
+        wait = self.metrics.child(self.metrics.hold_wait, model.name)
+        return HoldLine(model.name, model.queue, wait.observe)
+
+    def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._sweeper, *self._tasks) if t is not None]
+        for res in self.models.values():
+            if res.loading is not None:
+                tasks.append(res.loading)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _spawn(self, work: object) -> None:
+        task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- requests ----
+
+    def touch(self, name: str) -> None:
+        """A request for ``name`` arrived or finished: its idle TTL starts again."""
+        res = self.models.get(name)
+        if res is not None:
+            res.last_used = time.monotonic()
+
+    async def wait_for_backend(self, route: ModelRoute, tried: Collection[Backend]) -> None:
+        """The proxy's hook when no backend of ``route`` is available besides ``tried``: holds the
+        request while a replica is on its way (loading, waking, restarting), starting the load
+        when none is. Returns at once when live replicas are up but unavailable or tried (their
+        health and answers decide) or the model is not local; raises a 503 refusal when the
+        model failed, its line is full or the wait ran out."""
+        res = self.models.get(route.name)
+        if res is None:
+            return
+        if await self._replicas_up(route.name, tried):
+            return
+        states = self.pool.states(route.name)
+        if self.model_state(route.name) == "failed":
+            self._refused(route.name, "model_failed")
+            raise self._failed(route.name)
+        if not any(s in COMING for s in states):
+            self.ensure_loaded(route.name)
+        depth = self.metrics.child(self.metrics.hold_depth, route.name)
+        depth.inc()
+        try:
+            await res.hold.wait()
+        except UpstreamFailure as failure:
+            self._refused(route.name, failure.reason)
+            raise
+        finally:
+            depth.dec()
+
+    async def _replicas_up(self, name: str, tried: Collection[Backend]) -> bool:
+        """Whether READY replicas are alive (the request's answer is theirs to give). Replicas
+        the request already failed on get ``CRASH_NOTICE_S`` to show they died: a connection
+        reset comes a moment before the supervisor hears of the exit."""
+        deadline = time.monotonic() + CRASH_NOTICE_S
+        while True:
+            ready = [r for r in self.pool.replicas.get(name, []) if r.state is S.READY]
+            if not ready or any(has_exited(r.proc) for r in ready):
+                return False
+            if any(r.backend not in tried for r in ready) or time.monotonic() >= deadline:
+                return True
+            await asyncio.sleep(0.02)
+
+    def _refused(self, name: str, reason: str) -> None:
+        self.metrics.child(self.metrics.hold_refused, name, reason).inc()
+
+    def _failed(self, name: str) -> UpstreamFailure:
+        return refusal(
+            name,
+            "model_failed",
+            f"Model '{name}' failed to start; an operator can see why in /admin/models.",
+            retry_after_s=30,
+        )
+
+    # ---- loading ----
+
+    def ensure_loaded(self, name: str) -> None:
+        """Starts loading (or waking) ``name`` in the background unless that is under way."""
+        res = self.models[name]
+        if res.loading is None or res.loading.done():
+            res.loading = asyncio.create_task(self._load(name, lambda: len(res.hold) > 0))
+
+    async def load(self, name: str) -> bool:
+        """Loads ``name`` for an operator and waits; True when it serves."""
+        res = self.models[name]
+        if res.loading is not None and not res.loading.done():
+            return await asyncio.shield(res.loading)
+        res.loading = asyncio.create_task(self._load(name, lambda: True))
+        return await asyncio.shield(res.loading)
+
+    async def _load(self, name: str, wanted: Callable[[], bool]) -> bool:
+        res = self.models[name]
+        while True:
+            if not wanted() or name not in self.models:
+                return False
+            evictions = self._plan(name)
+            if evictions == []:
+                break
+            if evictions is None:
+                await asyncio.sleep(PLAN_RETRY_S)
+                continue
+            for eviction in evictions:
+                await self._evict(eviction, "memory")
+        ok = await self.pool.activate(name)
+        if ok:
+            res.last_used = time.monotonic()
+        elif not any(s in COMING for s in self.pool.states(name)):
+            res.hold.refuse(lambda: self._failed(name))
+        return ok
+
+    def _plan(self, name: str) -> list[Eviction] | None:
+        target = self.models[name]
+        replicas = target.config.replicas
+        states = self.pool.states(name)
+        held = sum(target.footprint.parked_bytes for s in states if s is S.PARKED)
+        need = Need(
+            replicas * target.footprint.awake_bytes - held,
+            replicas * target.footprint.gpu_fraction,
+        )
+        residents = [r for r in (self._resident(n) for n in self.models if n != name) if r]
+        evictions = plan_room(
+            need, self.budget_bytes, self.budget_gpu, residents, self.park_evicted
+        )
+        if evictions is None:
+            log.info("model %s waits for memory: needs %.0f MiB", name, need.cpu_bytes / 2**20)
+        return evictions
+
+    def _resident(self, name: str) -> Resident | None:
+        res = self.models[name]
+        states = self.pool.states(name)
+        awake = sum(s in AWAKE for s in states)
+        parked = states.count(S.PARKED)
+        if not awake and not parked:
+            return None
+        fp = res.footprint
+        return Resident(
+            name=name,
+            awake=awake > 0,
+            awake_bytes=(awake + parked) * fp.awake_bytes,
+            parked_bytes=(awake + parked) * fp.parked_bytes,
+            gpu_fraction=awake * fp.gpu_fraction,
+            evictable=self._evictable(name, states),
+            priority=res.config.priority,
+            last_used=res.last_used,
+        )
+
+    def _evictable(self, name: str, states: list[ReplicaState]) -> bool:
+        res = self.models[name]
+        route = self.router.routes.get(name)
+        return (
+            res.config.on_demand
+            and (route is None or route.inflight == 0)
+            and len(res.hold) == 0
+            and (res.loading is None or res.loading.done())
+            and all(s in (S.READY, S.PARKED) for s in states)
+        )
+
+    async def _evict(self, eviction: Eviction, reason: str) -> None:
+        log.info("model %s: %s (%s)", eviction.name, eviction.action, reason)
+        self.metrics.child(self.metrics.evictions, eviction.name, eviction.action, reason).inc()
+        if eviction.action == "park":
+            await self.pool.park(eviction.name)
+        else:
+            await self.pool.deactivate(eviction.name)
+
+    # ---- operator actions ----
+
+    async def park(self, name: str) -> bool:
+        self.metrics.child(self.metrics.evictions, name, "park", "operator").inc()
+        return await self.pool.park(name)
+
+    async def unload(self, name: str) -> None:
+        self.metrics.child(self.metrics.evictions, name, "stop", "operator").inc()
+        await self.pool.deactivate(name)
+
+    # ---- idle TTL ----
+
+    async def _sweep(self) -> None:
+        while True:
+            ttls = [r.config.idle_ttl_s for r in self.models.values() if r.config.on_demand]
+            await asyncio.sleep(min([1.0, *(t / 4 for t in ttls)]))
+            now = time.monotonic()
+            for name, res in list(self.models.items()):
+                if not res.config.on_demand or now - res.last_used < res.config.idle_ttl_s:
+                    continue
+                states = self.pool.states(name)
+                if S.READY in states and self._evictable(name, states):
+                    await self._evict(Eviction(name, self._idle_action(name)), "idle")
+
+    def _idle_action(self, name: str) -> str:
+        """Park while everything resident fits with it parked; stop otherwise."""
+        if not self.park_evicted:
+            return "stop"
+        resident = self._resident(name)
+        others = [r for r in (self._resident(n) for n in self.models if n != name) if r]
+        held = sum(r.held_bytes for r in others) + (resident.parked_bytes if resident else 0)
+        return "park" if held <= self.budget_bytes else "stop"
+
+    # ---- what the pool tells us ----
+
+    def on_transition(self, replica: Replica, old: ReplicaState) -> None:
+        """The pool's listener: every replica transition."""
+        self.metrics.replica_changed(replica, old)
+        res = self.models.get(replica.model)
+        if res is None:
+            return
+        new = replica.state
+        if new is S.READY:
+            res.hold.release()
+            self._spawn(self._measure(replica, awake=True))
+        elif new is S.PARKED:
+            self._spawn(self._measure(replica, awake=False))
+        elif new is S.FAILED and not any(s in COMING for s in self.pool.states(replica.model)):
+            res.hold.refuse(lambda: self._failed(replica.model))
+        self._report_memory()
+
+    async def _measure(self, replica: Replica, awake: bool) -> None:
+        rss = measured_rss(await self.pool.client.status(replica.url))
+        res = self.models.get(replica.model)
+        if rss is None or res is None:
+            return
+        fp = res.footprint
+        if awake:
+            fp.awake_bytes, fp.measured = rss, True
+        else:
+            fp.parked_bytes = rss
+        self._report_memory()
+
+    def _report_memory(self) -> None:
+        residents = [r for r in (self._resident(n) for n in self.models) if r]
+        self.metrics.memory_resident.set(sum(r.held_bytes for r in residents))
+        for name, res in self.models.items():
+            self.metrics.child(self.metrics.model_memory, name, "awake").set(
+                res.footprint.awake_bytes
+            )
+            self.metrics.child(self.metrics.model_memory, name, "parked").set(
+                res.footprint.parked_bytes
+            )
+
+    # ---- what operators and clients see ----
+
+    def model_state(self, name: str) -> str:
+        states = self.pool.states(name)
+        for state in _MODEL_STATE_ORDER:
+            if state in states:
+                return state.value
+        return S.STOPPED.value
+
+    def describe(self, name: str) -> dict[str, object]:
+        res = self.models[name]
+        return {
+            "state": self.model_state(name),
+            "residency": res.config.residency,
+            "idle_ttl_s": res.config.idle_ttl_s if res.config.on_demand else None,
+            "priority": res.config.priority,
+            "idle_s": round(time.monotonic() - res.last_used, 3),
+            "held_requests": len(res.hold),
+            "footprint": res.footprint.describe(),
+            "replicas": [r.describe() for r in self.pool.replicas.get(name, [])],
+        }
+
+    def budget(self) -> dict[str, object]:
+        residents = [r for r in (self._resident(n) for n in self.models) if r]
+        return {
+            "cpu_bytes": self.budget_bytes,
+            "cpu_resident_bytes": sum(r.held_bytes for r in residents),
+            "gpu_fraction": self.budget_gpu,
+            "gpu_resident_fraction": round(sum(r.held_gpu for r in residents), 4),
+        }
