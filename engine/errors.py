@@ -41,3 +41,21 @@ class CacheTooSmallError(EngineError):
     """The KV cache budget cannot hold even one max_model_len sequence."""
 
     error_type = "cache_too_small"
+
+
+class EngineBusyError(EngineError):
+    """The engine cannot sleep while requests are in flight or queued (HTTP 409): drain first."""
+
+    status = 409
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_busy")
+
+
+class EngineSleepingError(EngineError):
+    """The engine is asleep (weights and KV cache released) and takes no requests (HTTP 503)."""
+
+    status = 503
+
+    def __init__(self, message: str = "engine is sleeping: POST /wake_up first") -> None:
+        super().__init__(message, code="engine_sleeping")

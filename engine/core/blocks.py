@@ -204,6 +204,16 @@ class BlockManager:
             child_state.hashes = list(parent_state.hashes)
             child_state.num_committed = parent_state.num_committed
 
+    def reset(self) -> None:
+        """Every block free and no prefix cached, for pools that were freed and reallocated (a
+        sleep): the cached blocks' contents are gone. Only while no sequence holds a block."""
+        if any(self._ref) or self._copies:
+            raise RuntimeError("blocks are still in use")
+        self._block_hash = [None] * self.num_blocks
+        self._free = deque(range(self.num_blocks))
+        self._lru.clear()
+        self._cached.clear()
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; hashed blocks stay reusable until evicted.
 

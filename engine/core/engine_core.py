@@ -19,7 +19,8 @@ from engine.core.sampling import Sampler
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import CompletionOutput, RequestOutput, Sequence, TokenLogprob
-from engine.errors import InvalidRequestError
+from engine.errors import EngineBusyError, EngineSleepingError, InvalidRequestError
+from engine.model.footprint import MemoryFootprint
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.model.step_profile import BATCH, FORWARD, POSTPROCESS, SAMPLE, SCHEDULE
@@ -82,7 +83,10 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; InvalidRequestError if it can never run."""
+        """Queue a request; InvalidRequestError if it can never run, EngineSleepingError while
+        asleep."""
+        if self.runner.sleeping:
+            raise EngineSleepingError()
         self._validate(request_id, prompt_token_ids, params)
         seqs = []
         for index in range(params.n):
@@ -245,6 +249,24 @@ class EngineCore:
         if finished:
             del self._requests[request_id]
         return output
+
+    # ------------------------------------------------------------------ sleep and wake
+    def sleep(self) -> None:
+        """Release the weights and the KV cache (engine.model.runner.ModelRunner.sleep); the
+        tokenizer, compiled kernels and this object stay. Only with no request in the engine
+        (EngineBusyError otherwise); a no-op when asleep."""
+        if self._requests:
+            count = len(self._requests)
+            raise EngineBusyError(f"cannot sleep with {count} request{'s' * (count != 1)} running")
+        self.runner.sleep()
+        self.block_manager.reset()  # the cached prefixes lived in the freed pools
+
+    def wake_up(self) -> None:
+        """Weights and a zeroed KV cache back, with an empty prefix cache; a no-op when awake."""
+        self.runner.wake_up()
+
+    def footprint(self) -> MemoryFootprint:
+        return self.runner.footprint()
 
     # --------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:

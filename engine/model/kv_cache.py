@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import CacheTooSmallError
+from engine.model.cpu.huge_pages import HugePageArena
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,23 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, max_model_len: i
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed (K, V) pools per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+    """Zeroed (K, V) pools per layer, each [num_blocks, block_size, kv_heads, head_dim]; on CPU
+    carved from one mapping advised for huge pages and zeroed here, which commits the memory now:
+    2 MiB pages fault 512 times less often than 4 KiB ones, which a wake (engine.model.park)
+    pays for all pools at once, and spare attention's reads TLB misses."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-        )
-        for _ in range(spec.num_layers)
-    ]
+    if device.type != "cpu" or num_blocks == 0:
+        return [
+            (
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+            )
+            for _ in range(spec.num_layers)
+        ]
+    numel = num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim
+    arena = HugePageArena(chunk_bytes=2 * spec.num_layers * numel * spec.dtype.itemsize)
+
+    def pool() -> torch.Tensor:
+        return arena.empty(numel, spec.dtype).view(shape).zero_()
+
+    return [(pool(), pool()) for _ in range(spec.num_layers)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,8 +23,11 @@ from engine.model.attention.backends import select_backend
 from engine.model.attention.metadata import AttentionMetadata
 from engine.model.cpu.fast_path import prepare_cpu_fast_path
 from engine.model.fast_norms import fuse_rms_norms
+from engine.model.footprint import MemoryFootprint, ParkRecord, activation_estimate
 from engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
-from engine.model.loader import LoadedModel, resolve_dtype
+from engine.model.loader import LoadedModel, cache_root, resolve_dtype
+from engine.model.park.host_memory import trim_heap
+from engine.model.park.weights import WeightParker
 from engine.model.step_batch import StepBatch
 from engine.model.step_context import StepContext
 from engine.model.step_profile import StepProfile
@@ -68,10 +72,18 @@ class ModelRunner:
             dtype=self._kv_cache_dtype(),
         )
         self.lean: LeanLlamaForward | None = None
+        self.activation_bytes: int | None = None  # CUDA: measured by _kv_budget_bytes
         budget = self._kv_budget_bytes(max_model_len)
         self.lean = self._checked_lean_forward()
         self.num_blocks = num_blocks_for_budget(self.spec, budget, max_model_len)
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
+        # sleep and wake: every object that holds weights is a root of the parker's walk
+        self.parker = WeightParker(
+            [self.model, self.lean, self.cpu], self.device, cache_root() / "park"
+        )
+        self.sleeping = False
+        self._park_record = ParkRecord()
+        self._weights_bytes = self.parker.resident_bytes()
 
     # ----------------------------------------------------------------- sizing and probing
     def _kv_cache_dtype(self) -> torch.dtype:
@@ -99,6 +111,7 @@ class ModelRunner:
         probe_cache_bytes = self._probe(self.config.max_num_batched_tokens, max_model_len)
         torch.cuda.synchronize(device)
         activations = torch.cuda.max_memory_allocated(device) - weights - probe_cache_bytes
+        self.activation_bytes = activations
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
         budget = int(self.config.gpu_memory_fraction * total) - weights - activations
@@ -187,6 +200,89 @@ class ModelRunner:
             scale,
         )
         return lean
+
+    # ----------------------------------------------------------------- sleep and wake
+    def sleep(self) -> None:
+        """Release the weights (engine.model.park) and the KV pools; no-op when asleep. Weights
+        go first: a park that fails (disk full) leaves the runner as it was."""
+        if self.sleeping:
+            return
+        started = time.perf_counter()
+        kv_bytes = self._kv_cache_bytes()
+        moved = self.parker.park()
+        self.kv_caches = allocate_kv_cache(self.spec, 0, self.device)
+        trim_heap()  # what was freed below glibc's mmap threshold (pools, once it has grown)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        seconds = time.perf_counter() - started
+        self.sleeping = True
+        self._weights_bytes = moved.resident_after
+        self._park_record = self._park_record.parked(seconds, moved.resident_before)
+        log.info(
+            "asleep in %.2f s: %.0f MiB of weights released (%.0f MiB written to the park), "
+            "%.0f MiB of KV cache freed",
+            seconds,
+            moved.resident_before / 2**20,
+            moved.copied / 2**20,
+            kv_bytes / 2**20,
+        )
+
+    def wake_up(self) -> None:
+        """Weights back into memory, zeroed KV pools of the same block count; no-op when awake."""
+        if not self.sleeping:
+            return
+        started = time.perf_counter()
+        moved = self.parker.wake()
+        weights_s = time.perf_counter() - started
+        self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
+        seconds = time.perf_counter() - started
+        self.sleeping = False
+        self._weights_bytes = moved.resident_after
+        self._park_record = self._park_record.woke(seconds)
+        log.info(
+            "awake in %.2f s: %.0f MiB of weights copied back in %.2f s (%.1f GB/s), %.0f MiB of "
+            "KV cache zeroed in %.2f s",
+            seconds,
+            moved.copied / 2**20,
+            weights_s,
+            moved.copied / max(weights_s, 1e-9) / 1e9,
+            self._kv_cache_bytes() / 2**20,
+            seconds - weights_s,
+        )
+
+    def footprint(self) -> MemoryFootprint:
+        """What the runner holds now (cheap: no walk; the weights were measured at load, park
+        and wake)."""
+        device = self.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        measured = self.activation_bytes is not None
+        return MemoryFootprint(
+            device=str(device),
+            sleeping=self.sleeping,
+            weights_bytes=self._weights_bytes,
+            kv_cache_bytes=self._kv_cache_bytes(),
+            activation_bytes=self.activation_bytes if measured else self._activation_estimate(),
+            activation_measured=measured,
+            park=self._park_record,
+        )
+
+    def _kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pools in self.kv_caches for t in pools)
+
+    def _activation_estimate(self) -> int:
+        text = self.loaded.hf_config
+        text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        heads = text.num_attention_heads
+        return activation_estimate(
+            tokens=self.config.max_num_batched_tokens,
+            hidden=text.hidden_size,
+            intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
+            qkv_width=(heads + 2 * self.spec.num_kv_heads) * self.spec.head_dim,
+            sampled_rows=self.config.max_num_seqs,
+            vocab=self.loaded.vocab_size,
+            itemsize=self.loaded.dtype.itemsize,
+        )
 
     # ------------------------------------------------------------------------ one step
     def execute(self, batch: StepBatch) -> torch.Tensor:

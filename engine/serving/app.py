@@ -21,6 +21,7 @@ from engine.serving.errors import ModelNotFoundError
 from engine.serving.metrics import CONTENT_TYPE
 from engine.serving.request_fields import get_token_ids
 from engine.serving.responses import ResponseBuilder, new_request_id
+from engine.serving.status import status_body
 
 log = logging.getLogger("engine.server")
 
@@ -192,6 +193,8 @@ async def ready(request: web.Request) -> web.Response:
         reason, code = "engine loop is not running", "engine_dead"
     elif engine.core is None:
         reason, code = "model is still loading", "not_ready"
+    elif engine.sleeping:
+        reason, code = "engine is sleeping", "engine_sleeping"
     else:
         reason, code = "server is shutting down", "shutting_down"
     return error_response(503, reason, code=code)
@@ -210,6 +213,7 @@ async def _tokenizer_body(request: web.Request) -> tuple[AsyncEngine, dict[str, 
     body = await _read_json(request)
     _served_name(request, body)
     engine.check_loaded()
+    engine.check_awake()
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     return engine, body
@@ -228,6 +232,37 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = get_token_ids(body, "tokens", len(engine.tokenizer))
     text = await engine.on_prompt_thread(lambda tokenizer: tokenizer.decode(tokens))
     return web.json_response({"prompt": text}, dumps=_dumps)
+
+
+# ---- sleep and wake (vLLM's endpoint names) ------------------------------------------------
+
+SLEEP_LEVELS = ("1",)  # 1: weights out of process memory, KV cache freed
+
+
+async def sleep(request: web.Request) -> web.Response:
+    level = request.query.get("level", "1")
+    if level not in SLEEP_LEVELS:
+        raise InvalidRequestError(
+            f"sleep level {excerpt(repr(level))} is not supported: the only level is 1",
+            param="level",
+        )
+    await _engine(request).sleep()
+    return web.json_response({"is_sleeping": True})
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    await _engine(request).wake_up()
+    return web.json_response({"is_sleeping": False})
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    return web.json_response({"is_sleeping": _engine(request).sleeping})
+
+
+async def status(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    model = request.app[SETTINGS_KEY].served_model_names[0]
+    return web.json_response(status_body(model, engine.sleeping, engine.footprint))
 
 
 # ---- app -----------------------------------------------------------------------------------
@@ -254,6 +289,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> web.Application
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/sleep", sleep)
+    app.router.add_post("/wake_up", wake_up)
+    app.router.add_get("/is_sleeping", is_sleeping)
+    app.router.add_get("/status", status)
 
     async def stop_accepting(_: web.Application) -> None:
         engine.accepting = False  # draining: in-flight requests finish, new ones get a 503

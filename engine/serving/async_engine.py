@@ -1,9 +1,10 @@
 """Bridge between the synchronous EngineCore and the asyncio server.
 
 The core (model load, then step() forever) runs in one dedicated thread so the event loop never
-waits on the model: /health and /metrics answer while the model is saturated. Requests and aborts
-travel to that thread as typed commands (engine.serving.commands) in one deque; outputs come back
-once per step through ``loop.call_soon_threadsafe`` into one asyncio queue per request.
+waits on the model: /health and /metrics answer while the model is saturated. Requests, aborts,
+sleep and wake travel to that thread as typed commands (engine.serving.commands) in one deque;
+outputs come back once per step through ``loop.call_soon_threadsafe`` into one asyncio queue per
+request, a sleep's or wake's outcome through its future.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import RequestOutput
-from engine.errors import EngineError
-from engine.serving.commands import AbortRequest, AddRequest, EngineCommand
+from engine.errors import EngineBusyError, EngineError
+from engine.serving.commands import AbortRequest, AddRequest, EngineCommand, Sleep, WakeUp
 from engine.serving.errors import EngineDeadError, ServiceUnavailableError
 from engine.serving.metrics import EngineMetrics
 from engine.serving.requests import RequestLimits, longest_token_chars
@@ -53,6 +54,15 @@ class CoreLike(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> Any: ...
+    def sleep(self) -> None: ...
+    def wake_up(self) -> None: ...
+
+
+@runtime_checkable
+class FootprintSource(Protocol):
+    """A core that measures its memory (EngineCore; test doubles need not)."""
+
+    def footprint(self) -> Any: ...
 
 
 _ADMITTED = object()  # first item of a request's queue once the core accepted it
@@ -91,6 +101,12 @@ class AsyncEngine:
         self._requests: dict[str, _Request] = {}
         self._pending_adds = 0  # sequences sent to the thread and not yet handed to the core
         self._stats: Any = None  # latest core.stats(), replaced (never mutated) by the thread
+        # latest core.footprint() (after load, sleep, wake), replaced by the thread; None: unknown
+        self.footprint: Any = None
+        # True from the moment a sleep is accepted until a wake has finished: requests get a 503
+        self.sleeping = False
+        self._switching = asyncio.Lock()  # one sleep or wake at a time
+        self._switch_done: Future | None = None  # the latest one's outcome, set by the thread
         self.core: CoreLike | None = None
         # HF tokenizers are not thread-safe: the event loop and the prompt thread (templating and
         # tokenising, which can take seconds for a long prompt) each have their own copy.
@@ -101,7 +117,12 @@ class AsyncEngine:
         self._limits: RequestLimits | None = None
         self.dead: BaseException | None = None
         self.accepting = True
-        self.metrics = EngineMetrics(model_name, lambda: self._stats, lambda: self._pending_adds)
+        self.metrics = EngineMetrics(
+            model_name,
+            lambda: self._stats,
+            lambda: self._pending_adds,
+            footprint=lambda: self.footprint,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -128,7 +149,8 @@ class AsyncEngine:
     @property
     def is_ready(self) -> bool:
         alive = self._thread is not None and self._thread.is_alive()
-        return self.core is not None and alive and self.dead is None and self.accepting
+        ready = self.dead is None and self.accepting and not self.sleeping
+        return self.core is not None and alive and ready
 
     @property
     def is_alive(self) -> bool:
@@ -196,6 +218,7 @@ class AsyncEngine:
         self.check_loaded()
         if not self.accepting:
             raise ServiceUnavailableError("server is shutting down", code="shutting_down")
+        self.check_awake()
         waiting = self.num_waiting
         if waiting + choices > self._max_queue:
             raise ServiceUnavailableError(
@@ -203,6 +226,53 @@ class AsyncEngine:
                 f"(max queue {self._max_queue}); retry later",
                 code="overloaded",
             )
+
+    def check_awake(self) -> None:
+        """Raise a 503 while the engine sleeps (or is falling asleep or waking)."""
+        if self.sleeping:
+            raise ServiceUnavailableError(
+                "engine is sleeping: POST /wake_up first", code="engine_sleeping"
+            )
+
+    # ---- sleep and wake ----------------------------------------------------------------------
+
+    async def sleep(self) -> None:
+        """Release the model's weights and KV cache (engine.core.engine_core.EngineCore.sleep)
+        and return once done; a no-op when asleep. EngineBusyError (409) while any request is in
+        flight or queued: the caller drains first."""
+        await self._switch(Sleep)
+
+    async def wake_up(self) -> None:
+        """Bring weights and KV cache back and return once done; a no-op when awake."""
+        await self._switch(WakeUp)
+
+    async def _switch(self, command: type[Sleep] | type[WakeUp]) -> None:
+        # A task of its own: a client that disconnects does not interrupt the switch (the thread
+        # runs it anyway), and the lock stays held until the thread has finished it.
+        await asyncio.shield(asyncio.ensure_future(self._run_switch(command)))
+
+    async def _run_switch(self, command: type[Sleep] | type[WakeUp]) -> None:
+        self.check_loaded()
+        asleep = command is Sleep
+        async with self._switching:
+            if self.sleeping == asleep:
+                return
+            if asleep and self._requests:
+                count = len(self._requests)
+                raise EngineBusyError(
+                    f"cannot sleep with {count} request{'s' * (count != 1)} in flight or queued: "
+                    "drain the engine first"
+                )
+            self.sleeping = True  # from here new requests get a 503, until a wake has finished
+            done: Future = Future()
+            self._switch_done = done
+            self._send(command(done))
+            try:
+                await asyncio.wrap_future(done)
+            except BaseException:
+                self.sleeping = not asleep  # a failed sleep leaves it awake, a failed wake asleep
+                raise
+            self.sleeping = asleep
 
     async def on_prompt_thread(self, work: Callable[[Any], _T]) -> _T:
         """``work(tokenizer)`` on the prompt thread, with that thread's own tokenizer copy: chat
@@ -301,6 +371,8 @@ class AsyncEngine:
         for request in self._requests.values():
             request.finished = True
             request.queue.put_nowait(failure)
+        if self._switch_done is not None and not self._switch_done.done():
+            self._switch_done.set_exception(failure)
         assert self._died is not None
         self._died.set()
 
@@ -321,6 +393,7 @@ class AsyncEngine:
                 longest_token_chars=longest_token_chars(core.tokenizer),
             )
             self._stats = core.stats()
+            self._publish_footprint(core)
         except BaseException as error:  # report any load failure to the waiting main task
             self.dead = error
             loop.call_soon_threadsafe(self._on_loaded, error)
@@ -371,12 +444,37 @@ class AsyncEngine:
                     continue
                 live.add(request_id)
                 admitted.append((request_id, choices, None))
-            elif command.request_id in live:
-                core.abort(command.request_id)
-                live.discard(command.request_id)
+            elif isinstance(command, AbortRequest):
+                if command.request_id in live:
+                    core.abort(command.request_id)
+                    live.discard(command.request_id)
+            else:
+                self._apply_switch(core, command)
         if admitted:
             # Publish the core's new waiting count before the event loop stops counting these
             # requests as pending, so load shedding always counts them in one of the two.
             self._stats = core.stats()
             for request_id, choices, error in admitted:
                 loop.call_soon_threadsafe(self._on_admission, request_id, choices, error)
+
+    def _apply_switch(self, core: CoreLike, command: Sleep | WakeUp) -> None:
+        failure: Exception | None = None
+        try:
+            if isinstance(command, Sleep):
+                core.sleep()
+            else:
+                core.wake_up()
+        except Exception as error:  # the caller's answer; the loop goes on
+            if not isinstance(error, EngineError):
+                log.exception("%s failed", type(command).__name__)
+            failure = error
+        self._stats = core.stats()
+        self._publish_footprint(core)
+        if failure is None:
+            command.done.set_result(None)
+        else:
+            command.done.set_exception(failure)
+
+    def _publish_footprint(self, core: CoreLike) -> None:
+        if isinstance(core, FootprintSource):
+            self.footprint = core.footprint()

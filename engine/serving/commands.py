@@ -3,6 +3,7 @@ one queue: the thread applies them in order between two steps."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine.core.sampling_params import SamplingParams
@@ -25,4 +26,18 @@ class AbortRequest:
     request_id: str
 
 
-EngineCommand = AddRequest | AbortRequest
+@dataclass(frozen=True)
+class Sleep:
+    """Release the weights and KV cache (EngineCore.sleep); ``done`` gets its outcome."""
+
+    done: Future
+
+
+@dataclass(frozen=True)
+class WakeUp:
+    """Bring them back (EngineCore.wake_up); ``done`` gets its outcome."""
+
+    done: Future
+
+
+EngineCommand = AddRequest | AbortRequest | Sleep | WakeUp

@@ -11,7 +11,8 @@ RETRY_AFTER_S = 1
 
 
 class ServiceUnavailableError(EngineError):
-    """The engine cannot take this request now (loading, overloaded, shutting down, dead)."""
+    """The engine cannot take this request now (loading, overloaded, sleeping, shutting down,
+    dead)."""
 
     status = 503
 

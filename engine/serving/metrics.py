@@ -21,16 +21,24 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 class _StatsCollector(Collector):
     """Gauges and cumulative counters read from the latest EngineCore.stats() snapshot at scrape
-    time (the core already keeps the cumulative counts, so they are exported, not re-counted)."""
+    time (the core already keeps the cumulative counts, so they are exported, not re-counted),
+    and the memory footprint (EngineCore.footprint()) under modelyard_engine_* names (vLLM has
+    none for them)."""
 
     def __init__(
-        self, model_name: str, snapshot: Callable[[], Any], extra_waiting: Callable[[], int]
+        self,
+        model_name: str,
+        snapshot: Callable[[], Any],
+        extra_waiting: Callable[[], int],
+        footprint: Callable[[], Any],
     ):
         self._model_name = model_name
         self._snapshot = snapshot
         self._extra_waiting = extra_waiting
+        self._footprint = footprint
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._footprint_gauges()
         stats = self._snapshot()
         if stats is None:  # model still loading: nothing meaningful to export yet
             return
@@ -80,6 +88,33 @@ class _StatsCollector(Collector):
             counter.add_metric(label, float(value))
             yield counter
 
+    def _footprint_gauges(self) -> Iterator[Metric]:
+        footprint = self._footprint()
+        if footprint is None:  # loading, or a core that does not measure it
+            return
+        gauges = [
+            ("modelyard_engine_sleeping", "1 while the engine sleeps.", footprint.sleeping),
+            (
+                "modelyard_engine_weights_bytes",
+                "Weight bytes in process memory.",
+                footprint.weights_bytes,
+            ),
+            (
+                "modelyard_engine_kv_cache_bytes",
+                "KV cache pool bytes.",
+                footprint.kv_cache_bytes,
+            ),
+            (
+                "modelyard_engine_last_wake_seconds",
+                "Duration of the latest wake from sleep (0 before the first).",
+                footprint.park.last_wake_s or 0.0,
+            ),
+        ]
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self._model_name], float(value))
+            yield gauge
+
 
 class EngineMetrics:
     """One engine's metrics in a private registry (several apps can live in one test process)."""
@@ -89,10 +124,12 @@ class EngineMetrics:
         model_name: str,
         snapshot: Callable[[], Any],
         extra_waiting: Callable[[], int] = lambda: 0,
+        *,
+        footprint: Callable[[], Any],
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_StatsCollector(model_name, snapshot, extra_waiting))
+        self.registry.register(_StatsCollector(model_name, snapshot, extra_waiting, footprint))
         labels = ["model_name"]
 
         def histogram(name: str, doc: str) -> Histogram:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -91,6 +92,24 @@ def test_allocates_on_demand_as_sequence_grows() -> None:
     assert bm.usage == 0.4
     bm.free(seq)
     assert bm.num_free_blocks == 10 and bm.usage == 0.0
+
+
+def test_reset_forgets_cached_prefixes_and_refuses_while_blocks_are_held() -> None:
+    """What a sleep does once its KV pools are gone: cached blocks would hold stale K/V."""
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    kv = FakeKVCache(10, 4)
+    first = make_seq(0, list(range(10)))
+    prefill(bm, kv, first)
+    bm.free(first)
+    assert bm.num_cached_blocks == 2
+    bm.reset()
+    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 10
+    again = make_seq(1, list(range(10)))
+    bm.match_prefix(again)
+    assert again.num_cached_tokens == 0 and again.block_table == []
+    compute(bm, kv, again, again.num_uncomputed_tokens)
+    with pytest.raises(RuntimeError, match="in use"):
+        bm.reset()
 
 
 def test_allocate_fails_without_change_when_blocks_run_out() -> None:

@@ -262,3 +262,4 @@ async def test_a_held_stream_gets_its_headers_when_the_engine_answers(pooled, tm
             text = (await resp.read()).decode()
     assert headers_after >= 0.8  # not a 200 sent early and an error event later
     assert text.rstrip().endswith("data: [DONE]")
+    assert sample(gateway, "modelyard_hold_queue_wait_seconds_count", model="od") == 1

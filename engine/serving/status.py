@@ -1,0 +1,51 @@
+"""GET /status: the engine's memory now, for a supervisor that plans where models fit, built on
+the event loop from the engine thread's latest footprint and this process's /proc counters."""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import asdict
+from typing import Any
+
+
+def rss_bytes() -> int | None:
+    """Resident set size now (/proc/self/statm; None where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * mmap.PAGESIZE
+    except OSError:
+        return None
+
+
+def peak_rss_bytes() -> int | None:
+    """The largest resident set size so far (VmHWM of /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def status_body(model: str, sleeping: bool, footprint: Any) -> dict[str, Any]:
+    """``footprint``: the core's MemoryFootprint (engine.model.footprint), None where the core
+    does not measure one."""
+    process = {"rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes()}
+    if footprint is None:
+        return {"model": model, "sleeping": sleeping, "memory": process}
+    memory = {
+        "weights_bytes": footprint.weights_bytes,
+        "kv_cache_bytes": footprint.kv_cache_bytes,
+        "activation_bytes": footprint.activation_bytes,
+        "activation_bytes_source": "measured" if footprint.activation_measured else "estimate",
+        **process,
+    }
+    return {
+        "model": model,
+        "sleeping": sleeping,
+        "device": footprint.device,
+        "memory": memory,
+        "park": asdict(footprint.park),
+    }
