@@ -1,10 +1,11 @@
 """What one engine replica takes: its memory awake and parked, on the host and on the GPU.
 
-Measured figures come from the engine's ``GET /status`` (``memory.rss_bytes``) once it is ready and
-again once it is parked. Before a model's first measurement, an estimate: ``memory_estimate`` from
-models.yaml, or the runtime, the weights as the engine will hold them and the KV budget. A GGUF's
-weights are dequantised to fp32 and held twice on CPU (the prepacked GEMM copy), about 13x the
-quantised file (SmolLM2-135M Q4_1: a 98 MB file, 1.8 GB resident besides its KV cache).
+Measured figures come from the engine's ``GET /status`` (``memory.rss_bytes``, plus
+``activation_bytes`` while awake) once it is ready and again once it is parked. Before a model's
+first measurement, an estimate: ``memory_estimate`` from models.yaml, or the runtime, the weights
+as the engine will hold them and the KV budget. A GGUF's weights are dequantised to fp32 and held
+twice on CPU (the prepacked GEMM copy), about 13x the quantised file (SmolLM2-135M Q4_1: a 98 MB
+file, 1.8 GB resident besides its KV cache).
 """
 
 from __future__ import annotations
@@ -77,8 +78,18 @@ def machine_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def measured_rss(status: dict[str, object] | None) -> int | None:
-    """``memory.rss_bytes`` of an engine's /status answer, when it has one."""
+def measured_bytes(status: dict[str, object] | None, awake: bool) -> int | None:
+    """What an engine's /status answer says it takes: its resident memory (``memory.rss_bytes``)
+    plus, awake, the activation peak its steps add on top of the resting figure
+    (``memory.activation_bytes``, when reported); None when it reports no RSS."""
     memory = status.get("memory") if isinstance(status, dict) else None
-    rss = memory.get("rss_bytes") if isinstance(memory, dict) else None
-    return rss if isinstance(rss, int) and not isinstance(rss, bool) and rss > 0 else None
+    if not isinstance(memory, dict):
+        return None
+    rss, activations = memory.get("rss_bytes"), memory.get("activation_bytes")
+    if not _count(rss) or rss <= 0:
+        return None
+    return rss + (activations if awake and _count(activations) else 0)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

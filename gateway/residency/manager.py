@@ -24,7 +24,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import EnginePool
 from gateway.proxy.failures import UpstreamFailure
 from gateway.replica import Replica, ReplicaState
-from gateway.residency.footprint import Footprint, estimate, machine_ram_bytes, measured_rss
+from gateway.residency.footprint import Footprint, estimate, machine_ram_bytes, measured_bytes
 from gateway.residency.hold import HoldLine, refusal
 from gateway.residency.plan import Eviction, Need, Resident, plan_room
 from gateway.router import ModelRoute, Router
@@ -51,6 +51,7 @@ class ModelResidency:
     footprint: Footprint
     last_used: float = field(default_factory=time.monotonic)
     loading: asyncio.Task[bool] | None = None
+    reserved: bool = False  # its load has room: counted awake until it is (or failed)
 
 
 class ResidencyManager:
@@ -69,6 +70,7 @@ class ResidencyManager:
         self.budget_gpu = 0.0
         self.park_evicted = True
         self._sweeper: asyncio.Task[None] | None = None
+        self._placement = asyncio.Lock()  # one plan (and its evictions) at a time
         self._tasks: set[asyncio.Task[object]] = set()
         self.configure(config)
 
@@ -198,32 +200,42 @@ class ResidencyManager:
 
     async def _load(self, name: str, wanted: Callable[[], bool]) -> bool:
         res = self.models[name]
-        while True:
-            if not wanted() or name not in self.models:
+        try:
+            if not await self._make_room(name, wanted):
                 return False
-            evictions = self._plan(name)
-            if evictions == []:
-                break
-            if evictions is None:
-                await asyncio.sleep(PLAN_RETRY_S)
-                continue
-            for eviction in evictions:
-                await self._evict(eviction, "memory")
-        ok = await self.pool.activate(name)
+            ok = await self.pool.activate(name)
+        finally:
+            res.reserved = False
         if ok:
             res.last_used = time.monotonic()
         elif not any(s in COMING for s in self.pool.states(name)):
             res.hold.refuse(lambda: self._failed(name))
         return ok
 
+    async def _make_room(self, name: str, wanted: Callable[[], bool]) -> bool:
+        """Evicts what the plan says until ``name`` fits, then reserves its awake footprint (so
+        that loads planned meanwhile count it); False when nobody wants it any more. Plans are
+        made one at a time: two loads must not both count the same free memory."""
+        res = self.models[name]
+        while wanted() and name in self.models:
+            async with self._placement:
+                evictions = self._plan(name)
+                for eviction in evictions or ():
+                    await self._evict(eviction, "memory")
+                if evictions == []:
+                    res.reserved = True
+                    return True
+            if evictions is None:
+                await asyncio.sleep(PLAN_RETRY_S)
+        return False
+
     def _plan(self, name: str) -> list[Eviction] | None:
+        """What must go for every replica of ``name`` to be awake (what it holds now, parked,
+        is not counted: it is left out of the residents)."""
         target = self.models[name]
         replicas = target.config.replicas
-        states = self.pool.states(name)
-        held = sum(target.footprint.parked_bytes for s in states if s is S.PARKED)
         need = Need(
-            replicas * target.footprint.awake_bytes - held,
-            replicas * target.footprint.gpu_fraction,
+            replicas * target.footprint.awake_bytes, replicas * target.footprint.gpu_fraction
         )
         residents = [r for r in (self._resident(n) for n in self.models if n != name) if r]
         evictions = plan_room(
@@ -234,10 +246,14 @@ class ResidencyManager:
         return evictions
 
     def _resident(self, name: str) -> Resident | None:
+        """The memory ``name`` holds: its awake and parked replicas, or, while its load is under
+        way, every replica awake."""
         res = self.models[name]
         states = self.pool.states(name)
         awake = sum(s in AWAKE for s in states)
         parked = states.count(S.PARKED)
+        if res.reserved:
+            awake, parked = max(res.config.replicas, awake + parked), 0
         if not awake and not parked:
             return None
         fp = res.footprint
@@ -323,15 +339,15 @@ class ResidencyManager:
         self._report_memory()
 
     async def _measure(self, replica: Replica, awake: bool) -> None:
-        rss = measured_rss(await self.pool.client.status(replica.url))
+        taken = measured_bytes(await self.pool.client.status(replica.url), awake)
         res = self.models.get(replica.model)
-        if rss is None or res is None:
+        if taken is None or res is None:
             return
         fp = res.footprint
         if awake:
-            fp.awake_bytes, fp.measured = rss, True
+            fp.awake_bytes, fp.measured = taken, True
         else:
-            fp.parked_bytes = rss
+            fp.parked_bytes = taken
         self._report_memory()
 
     def _report_memory(self) -> None:

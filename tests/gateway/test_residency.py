@@ -263,3 +263,41 @@ async def test_a_held_stream_gets_its_headers_when_the_engine_answers(pooled, tm
     assert headers_after >= 0.8  # not a 200 sent early and an error event later
     assert text.rstrip().endswith("data: [DONE]")
     assert sample(gateway, "modelyard_hold_queue_wait_seconds_count", model="od") == 1
+
+
+def within_budget(gateway) -> bool:
+    budget = gateway.residency.budget()
+    return budget["cpu_resident_bytes"] <= budget["cpu_bytes"]
+
+
+async def test_concurrent_loads_do_not_both_count_the_same_free_memory(pooled, tmp_path):
+    models = [on_demand(name, "--ready-delay-s", "0.3", idle_ttl_s=600) for name in "abc"]
+    gateway, url, _ = await pooled(fleet(tmp_path, models, {"cpu_bytes": "2560MiB"}))
+    async with aiohttp.ClientSession() as session:
+        assert (await request(session, url, "a"))[0] == 200
+        seen_within: list[bool] = []
+
+        async def watch():
+            while True:
+                seen_within.append(within_budget(gateway))
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        both = await asyncio.gather(request(session, url, "b"), request(session, url, "c"))
+        watcher.cancel()
+        assert [status for status, _, _ in both] == [200, 200]
+        assert states(gateway, "a") == [S.PARKED]  # one of the two made room, once
+        assert seen_within and all(seen_within)
+
+
+async def test_a_wake_counts_the_whole_awake_footprint(pooled, tmp_path):
+    # 2900 MiB: a parked + b + c awake = 2304; waking a adds 1024, not 768 (it leaves its floor)
+    models = [on_demand(name, idle_ttl_s=600) for name in "abc"]
+    gateway, url, _ = await pooled(fleet(tmp_path, models, {"cpu_bytes": "2900MiB"}))
+    async with aiohttp.ClientSession() as session:
+        for name in "abc":
+            assert (await request(session, url, name))[0] == 200
+        assert states(gateway, "a") == [S.PARKED] and within_budget(gateway)
+        assert (await request(session, url, "a"))[0] == 200
+        assert states(gateway, "b") == [S.PARKED] and states(gateway, "a") == [S.READY]
+        assert within_budget(gateway)
