@@ -15,6 +15,7 @@ failure lists the findings grouped by cause, each with the seed and index that r
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ import yaml
 from aiohttp import web
 
 from common.net import free_port
+from engine.model.park.host_memory import trim_heap
 from gateway.app import Gateway, create_app
 from gateway.config import load_config
 from gateway.server import GatewayRunner
@@ -76,6 +78,12 @@ class InProcessGateway:
 
     def alive(self) -> bool:
         return True
+
+    def settle(self) -> None:
+        """Growth is measured on what this shared test process retains, not on the free heap
+        that earlier tests' models left in glibc's arenas."""
+        gc.collect()
+        trim_heap()
 
     def kill(self) -> None:
         """Never: this process is the test."""

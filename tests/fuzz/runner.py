@@ -65,6 +65,7 @@ class Runner:
         finally:
             watchdog.cancel()
         self._unclaimed_kills(report, seed)
+        self.server.settle()
         report.rss_after = rss_bytes(self.server.pid)
         report.rss_peak = max(report.rss_peak, rss_bytes(self.server.pid, "VmHWM"))
         report.wall_s = time.monotonic() - started
@@ -171,6 +172,7 @@ class Runner:
         return f"{probe}; restarted"
 
     def _baseline(self, report: Report) -> None:
+        self.server.settle()
         report.rss_before = rss_bytes(self.server.pid)
         headroom = self.settings.rss_headroom
         report.rss_cap = report.rss_before + headroom if headroom is not None else None

@@ -31,6 +31,7 @@ class Server(Protocol):
 
     def new_errors(self) -> list[str]: ...
     def alive(self) -> bool: ...
+    def settle(self) -> None: ...  # before its RSS is read: hand freed memory back to the OS
     def kill(self) -> None: ...
     async def restart(self) -> bool: ...
 
@@ -115,6 +116,9 @@ class ProcessServer:
     def new_errors(self) -> list[str]:
         errors, self._earlier_errors = self._earlier_errors, []
         return errors + (self.log.new_errors() if self.log else [])
+
+    def settle(self) -> None:
+        """Nothing: a process of its own returns what it frees."""
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
