@@ -339,11 +339,15 @@ class ResidencyManager:
         self._report_memory()
 
     async def _measure(self, replica: Replica, awake: bool) -> None:
-        taken = measured_bytes(await self.pool.client.status(replica.url), awake)
+        status = await self.pool.client.status(replica.url)
+        taken = measured_bytes(status, awake)
         res = self.models.get(replica.model)
         if taken is None or res is None:
             return
         fp = res.footprint
+        device = status.get("device") if status else None
+        if isinstance(device, str) and not device.startswith("cuda"):
+            fp.gpu_fraction = 0.0  # device "auto" on a machine without a GPU
         if awake:
             fp.awake_bytes, fp.measured = taken, True
         else:

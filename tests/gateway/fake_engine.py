@@ -76,7 +76,8 @@ def main() -> None:
         rss = args.parked_rss_bytes if sleeping["now"] else args.rss_bytes
         memory = {"rss_bytes": rss} if rss else {}
         park = {"parks": sleeping["parks"], "wakes": sleeping["wakes"]}
-        return web.json_response({"sleeping": sleeping["now"], "memory": memory, "park": park})
+        body = {"sleeping": sleeping["now"], "device": "cpu", "memory": memory, "park": park}
+        return web.json_response(body)
 
     mock.ready = ready  # type: ignore[method-assign]
     mock.completions = completions  # type: ignore[method-assign]

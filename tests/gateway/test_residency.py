@@ -66,7 +66,9 @@ def quick(monkeypatch):
 
 
 async def test_on_demand_starts_at_first_request_parks_after_ttl_and_wakes(pooled, tmp_path):
-    doc = fleet(tmp_path, [on_demand("od", "--ready-delay-s", "0.3", idle_ttl_s=0.6)])
+    # device auto with a GPU fraction: on this CPU engine the fraction must not count
+    model = on_demand("od", "--ready-delay-s", "0.3", idle_ttl_s=0.6, gpu_memory_fraction=0.5)
+    doc = fleet(tmp_path, [model])
     gateway, url, _ = await pooled(doc)
     async with aiohttp.ClientSession() as session:
         await asyncio.sleep(0.3)
