@@ -20,9 +20,7 @@ from gateway.proxy.failures import UpstreamFailure
 RETRY_AFTER_S = 5
 
 
-def refusal(
-    model: str, code: str, message: str, retry_after_s: int = RETRY_AFTER_S
-) -> UpstreamFailure:
+def refusal(code: str, message: str, retry_after_s: int = RETRY_AFTER_S) -> UpstreamFailure:
     """A held request's 503, in the usual error shape, with a Retry-After."""
     return UpstreamFailure(
         503,
@@ -51,7 +49,6 @@ class HoldLine:
         """Returns when the model has a ready replica; raises its refusal otherwise."""
         if len(self._waiters) >= self.settings.max_requests:
             raise refusal(
-                self.model,
                 "hold_queue_full",
                 f"Model '{self.model}' is loading and {len(self._waiters)} requests are already "
                 "waiting for it.",
@@ -63,7 +60,6 @@ class HoldLine:
             await asyncio.wait_for(asyncio.shield(waiter), self.settings.max_wait_s)
         except TimeoutError:
             raise refusal(
-                self.model,
                 "model_loading_timeout",
                 f"Model '{self.model}' did not become ready within {self.settings.max_wait_s:g}s.",
             ) from None

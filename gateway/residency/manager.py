@@ -176,7 +176,6 @@ class ResidencyManager:
 
     def _failed(self, name: str) -> UpstreamFailure:
         return refusal(
-            name,
             "model_failed",
             f"Model '{name}' failed to start; an operator can see why in /admin/models.",
             retry_after_s=30,
@@ -191,11 +190,13 @@ class ResidencyManager:
             res.loading = asyncio.create_task(self._load(name, lambda: len(res.hold) > 0))
 
     async def load(self, name: str) -> bool:
-        """Loads ``name`` for an operator and waits; True when it serves."""
+        """Loads ``name`` for an operator and waits (for room, up to its queue's max_wait_s);
+        True when it serves."""
         res = self.models[name]
         if res.loading is not None and not res.loading.done():
             return await asyncio.shield(res.loading)
-        res.loading = asyncio.create_task(self._load(name, lambda: True))
+        deadline = time.monotonic() + res.config.queue.max_wait_s
+        res.loading = asyncio.create_task(self._load(name, lambda: time.monotonic() < deadline))
         return await asyncio.shield(res.loading)
 
     async def _load(self, name: str, wanted: Callable[[], bool]) -> bool:
