@@ -16,6 +16,7 @@ import aiohttp
 import yaml
 
 from common.net import free_port
+from scripts.attacks.procfs import children, proc_alive
 from scripts.residency_bench.summary import Samples, parse_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,30 +56,6 @@ def models_yaml(
         "defaults": {"device": "cpu"},
         "models": entries,
     }
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def children_of(pid: int) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(int(entry))
-            if fields is not None and int(fields[1]) == pid:
-                found.add(int(entry))
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Exists and is not a zombie."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def _is_engine(pid: int) -> bool:
@@ -130,7 +107,7 @@ class Gateway:
 
     async def _track_engines(self) -> None:
         while self.proc.poll() is None:  # ends with the process (or when stop() cancels it)
-            self.engine_pids |= children_of(self.proc.pid)
+            self.engine_pids |= set(children(self.proc.pid))
             await asyncio.sleep(0.5)
 
     def log_tail(self, chars: int = 2000) -> str:
@@ -151,7 +128,7 @@ class Gateway:
         t0 = time.perf_counter()
         async with self.session.post(f"{self.url}/admin/models/{name}/{action}") as reply:
             body = await reply.json(content_type=None)
-            self.engine_pids |= children_of(self.proc.pid)
+            self.engine_pids |= set(children(self.proc.pid))
             return reply.status, body, time.perf_counter() - t0
 
     async def models(self) -> dict[str, dict[str, Any]]:
@@ -178,7 +155,7 @@ class Gateway:
     def engine_rss(self) -> int:
         """The summed resident set of this gateway's engines now (/proc), whatever it plans."""
         total = 0
-        for pid in children_of(self.proc.pid):
+        for pid in set(children(self.proc.pid)):
             with contextlib.suppress(OSError, ValueError, IndexError):
                 pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
                 total += pages * os.sysconf("SC_PAGE_SIZE")
@@ -221,7 +198,7 @@ class Gateway:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
         if self.proc.poll() is None:
-            self.engine_pids |= children_of(self.proc.pid)
+            self.engine_pids |= set(children(self.proc.pid))
         if self.session is not None:
             await self.session.close()
         killed = False
@@ -235,7 +212,7 @@ class Gateway:
                 killed = True
         self._log.close()
         await asyncio.sleep(0.5)  # engines die with the gateway (PDEATHSIG) at the latest
-        left = sorted(p for p in self.engine_pids if alive(p) and _is_engine(p))
+        left = sorted(p for p in self.engine_pids if proc_alive(p) and _is_engine(p))
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
