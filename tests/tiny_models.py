@@ -66,18 +66,29 @@ def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path
     return path
 
 
-def build_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama with grouped-query attention (4 query heads, 2 KV heads)."""
+def build_tiny_llama(
+    path: Path,
+    seed: int = 0,
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_positions: int = 1024,
+) -> Path:
+    """A Llama with grouped-query attention, by default 2 layers of 4 query heads on 2 KV
+    heads; the keywords make a wider one."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,

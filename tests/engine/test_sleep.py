@@ -11,8 +11,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -20,7 +18,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.errors import EngineBusyError, EngineSleepingError
 from tests.engine.server_http import CHAT, COMPLETIONS, chat_body, post, scrape
 from tests.server_utils import EngineProcess
-from tests.tiny_models import build_tokenizer
+from tests.tiny_models import build_tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,24 +30,10 @@ SLACK = 16 * 2**20  # what a process may grow by across cycles (allocator, reque
 def _build_wide_llama(path: Path) -> Path:
     """A Llama wide enough (~35 MB of fp32 weights, ~100 MB with the prepacked copies) that its
     weights show in the process's RSS, not only the KV cache."""
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return build_tiny_llama(
+        path, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
+        num_kv_heads=4, max_positions=512,
+    )  # fmt: skip
 
 
 def _greedy_tokens(core: EngineCore, request_id: str, prompt: list[int]) -> list[int]:
