@@ -58,8 +58,6 @@ TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
     S.BACKOFF: frozenset({S.STARTING, S.STOPPING, S.FAILED}),
     S.FAILED: frozenset({S.STOPPING}),
 }
-# A process exists (was spawned and not yet reaped) in these states.
-RUNNING = frozenset({S.STARTING, S.READY, S.PARKING, S.PARKED, S.WAKING, S.DRAINING})
 # The replica is on its way out: nothing may start or wake it again.
 LEAVING = frozenset({S.DRAINING, S.STOPPING, S.STOPPED, S.FAILED})
 

@@ -238,13 +238,17 @@ class ResidencyManager:
         need = Need(
             replicas * target.footprint.awake_bytes, replicas * target.footprint.gpu_fraction
         )
-        residents = [r for r in (self._resident(n) for n in self.models if n != name) if r]
+        residents = self._residents(but=name)
         evictions = plan_room(
             need, self.budget_bytes, self.budget_gpu, residents, self.park_evicted
         )
         if evictions is None:
             log.info("model %s waits for memory: needs %.0f MiB", name, need.cpu_bytes / 2**20)
         return evictions
+
+    def _residents(self, but: str | None = None) -> list[Resident]:
+        """Every model holding memory now, but ``but``."""
+        return [r for n in self.models if n != but and (r := self._resident(n)) is not None]
 
     def _resident(self, name: str) -> Resident | None:
         """The memory ``name`` holds: its awake and parked replicas, or, while its load is under
@@ -317,7 +321,7 @@ class ResidencyManager:
         if not self.park_evicted:
             return "stop"
         resident = self._resident(name)
-        others = [r for r in (self._resident(n) for n in self.models if n != name) if r]
+        others = self._residents(but=name)
         held = sum(r.held_bytes for r in others) + (resident.parked_bytes if resident else 0)
         return "park" if held <= self.budget_bytes else "stop"
 
@@ -356,7 +360,7 @@ class ResidencyManager:
         self._report_memory()
 
     def _report_memory(self) -> None:
-        residents = [r for r in (self._resident(n) for n in self.models) if r]
+        residents = self._residents()
         self.metrics.memory_resident.set(sum(r.held_bytes for r in residents))
         for name, res in self.models.items():
             self.metrics.child(self.metrics.model_memory, name, "awake").set(
@@ -389,7 +393,7 @@ class ResidencyManager:
         }
 
     def budget(self) -> dict[str, object]:
-        residents = [r for r in (self._resident(n) for n in self.models) if r]
+        residents = self._residents()
         return {
             "cpu_bytes": self.budget_bytes,
             "cpu_resident_bytes": sum(r.held_bytes for r in residents),
