@@ -12,6 +12,7 @@ from common.errors import RequestRefused, excerpt
 from common.json_body import parse_json
 from common.request_body import read_body
 from gateway.auth import may_use
+from gateway.capabilities import check_capabilities
 from gateway.proxy import Exchange
 from gateway.ratelimit import RateLimited
 from gateway.request_keys import API_KEY, EXCHANGE, MODEL, REQUEST_ID
@@ -162,6 +163,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
             code="model_not_found",
         )
     request[MODEL] = route.name
+    check_capabilities(payload, route.config.capabilities, route.name)  # before any limit counts it
     key_name = key.name if key else None
     limits = route.config.limits
     if limits.max_concurrency is not None and route.inflight >= limits.max_concurrency:

@@ -30,7 +30,6 @@ This file is the command line; the fleet, the victim and the attacks are in scri
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -46,6 +45,7 @@ from scripts.attacks.bodies import build_payloads  # noqa: E402
 from scripts.attacks.procfs import raise_nofile  # noqa: E402
 from scripts.attacks.report import print_table, side_by_side  # noqa: E402
 from scripts.attacks.suite import run_suite, selected  # noqa: E402
+from scripts.measure import write_report  # noqa: E402
 
 
 def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,12 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         report["result"] = run_suite(args.repo, args, payloads, names)
     report["machine"]["load_average_at_end"] = os.getloadavg()
     report["seconds"] = round(time.monotonic() - started, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
+    write_report(report, args.out)
     print_table(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
     return 0
 
 

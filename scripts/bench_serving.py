@@ -32,6 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a plain script: make `engine` and `scripts` importable
     sys.path.insert(0, str(REPO_ROOT))
 
+from scripts.measure import write_report  # noqa: E402
 from scripts.serving.baselines import hf_model, run_hf_static, run_offline  # noqa: E402
 from scripts.serving.client import Client, run_concurrency, run_rate  # noqa: E402
 from scripts.serving.engine_server import EngineServer  # noqa: E402
@@ -135,11 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     out["baselines"] = baselines
     out["ratios"] = _ratios(out["runs"], baselines)
     out["host"]["loadavg_end"] = os.getloadavg()
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    write_report(out, args.out)
     return 0
 
 

@@ -85,11 +85,13 @@ def test_no_import_cycles():
 
 
 # engine/'s layers, each allowed to import itself and what is listed (its own package and below):
-# serving -> core -> model; the base modules (config, errors, file_hash) import no engine module.
+# serving -> core -> model, and core -> structured (grammars and matchers, beside model); the base
+# modules (config, errors, file_hash) import no engine module.
 ENGINE_BASE = frozenset({"engine.config", "engine.errors", "engine.file_hash"})
 ENGINE_LAYERS = {
     "engine.model": (),
-    "engine.core": ("engine.model",),
+    "engine.structured": (),
+    "engine.core": ("engine.model", "engine.structured"),
     "engine.serving": ("engine.core",),
 }
 

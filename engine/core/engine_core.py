@@ -3,11 +3,19 @@
 One step = schedule -> run the model -> advance progress -> sample -> append, detokenize, check stop
 conditions -> RequestOutput deltas. The core is synchronous and single-threaded; the server drives
 it from its own thread.
+
+A constrained request (SamplingParams.structured) enters the scheduler once its grammar has
+compiled (engine.structured, on the compiler's own thread; the server awaits that compile at
+admission, so it is usually cached by then); each of its sequences gets a matcher, which the
+sampler masks with and which takes every token the sequence appends. A grammar that terminates
+finishes its sequence with "stop".
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -18,12 +26,25 @@ from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.sampling import Sampler
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import CompletionOutput, RequestOutput, Sequence, TokenLogprob
+from engine.core.sequence import (
+    CompletionOutput,
+    RequestOutput,
+    Sequence,
+    SequenceStatus,
+    TokenLogprob,
+)
 from engine.errors import EngineBusyError, EngineSleepingError, InvalidRequestError
 from engine.model.footprint import MemoryFootprint
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.model.step_profile import BATCH, FORWARD, POSTPROCESS, SAMPLE, SCHEDULE
+from engine.structured.compiler import CompiledGrammar, GrammarCompiler
+
+log = logging.getLogger("engine.core")
+
+# How long a step with nothing to schedule but compiles under way waits for one to finish (the
+# loop then takes new commands), rather than spinning on a core the compile needs.
+GRAMMAR_WAIT_S = 0.01
 
 
 @dataclass
@@ -68,6 +89,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._compiling: dict[str, Future[CompiledGrammar]] = {}  # requests awaiting a grammar
         # where a step's time goes, off until a benchmark turns it on (engine.model.step_profile)
         self.profile = self.runner.profile
         self._requests: dict[str, _Request] = {}
@@ -88,6 +111,11 @@ class EngineCore:
         if self.runner.sleeping:
             raise EngineSleepingError()
         self._validate(request_id, prompt_token_ids, params)
+        grammar = None
+        if params.structured is not None:
+            grammar = self.grammars.submit(params.structured)
+            if grammar.done():
+                grammar.result()  # a constraint that failed to compile refuses the request now
         seqs = []
         for index in range(params.n):
             seqs.append(
@@ -105,7 +133,40 @@ class EngineCore:
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs
         ]
         self._requests[request_id] = _Request(seqs, detokenizers)
+        if grammar is None or grammar.done():
+            self._schedule(seqs, grammar)
+        else:
+            self._compiling[request_id] = grammar
+
+    def _schedule(self, seqs: list[Sequence], grammar: Future[CompiledGrammar] | None) -> None:
+        if grammar is not None:
+            compiled = grammar.result()
+            for seq in seqs:
+                seq.matcher = compiled.matcher()
         self.scheduler.add(seqs)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar has compiled go to the scheduler; those whose compile failed
+        end with "abort" (the server compiles at admission, so only direct callers see this)."""
+        outputs = []
+        for request_id, grammar in list(self._compiling.items()):
+            if not grammar.done():
+                continue
+            del self._compiling[request_id]
+            request = self._requests[request_id]
+            error = grammar.exception()
+            if error is None:
+                self._schedule(request.seqs, grammar)
+                continue
+            log.warning("request %s: its constraint did not compile: %s", request_id, error)
+            for seq in request.seqs:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+                request.pending[seq.choice_index] = CompletionOutput(
+                    seq.choice_index, [], "", finish_reason="abort"
+                )
+            outputs.append(self._emit(request_id, request))
+        return outputs
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
@@ -140,6 +201,7 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         """Drop a request now (its blocks are freed at once); unknown ids are ignored."""
         if self._requests.pop(request_id, None) is not None:
+            self._compiling.pop(request_id, None)
             self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -149,16 +211,19 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the deltas of every request that made progress."""
         laps = self.profile.laps()  # books the spans while profiling is on, else nothing
+        compiled = self._admit_compiled() if self._compiling else []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            if self._compiling and not compiled:
+                wait(self._compiling.values(), GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            return compiled
         laps.lap(SCHEDULE)
         batch = out.to_step_batch()
         laps.lap(BATCH)
         logits = self.runner.execute(batch)
         laps.lap(FORWARD)
         to_sample = self.scheduler.finish_step(out)
-        outputs: list[RequestOutput] = []
+        outputs = compiled
         if to_sample:
             seqs = [seq for seq, _ in to_sample]
             rows = [row for _, row in to_sample]
@@ -167,7 +232,7 @@ class EngineCore:
             laps.lap(POSTPROCESS)
             token_ids, logprobs = self.sampler(logits, seqs)
             laps.lap(SAMPLE)
-            outputs = self._process(seqs, token_ids, logprobs)
+            outputs += self._process(seqs, token_ids, logprobs)
         laps.lap(POSTPROCESS)
         laps.end_step()
         return outputs
@@ -182,10 +247,16 @@ class EngineCore:
             if request is None or seq.is_finished:
                 continue
             seq.append_token(token)
+            # The sampler only picks tokens the grammar allows: a bug if ever refused.
+            off_grammar = seq.matcher is not None and not seq.matcher.accept(token)
+            if off_grammar:
+                log.error("request %s: token %d refused by its grammar", seq.request_id, token)
             self._generation_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             text, reason = self._detokenize_and_check(seq, request, token)
+            if off_grammar:
+                reason = "abort"  # its matcher can go no further
             delta = request.pending.get(seq.choice_index)
             if delta is None:
                 delta = request.pending[seq.choice_index] = CompletionOutput(
@@ -218,8 +289,8 @@ class EngineCore:
             text, stop_str = detokenizer.add([token])
             if stop_str is not None:
                 return text, "stop"
-        if stop_token:
-            reason = "stop"
+        if stop_token or (seq.matcher is not None and seq.matcher.is_terminated):
+            reason = "stop"  # an end token, or the grammar is complete
         elif (
             params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
         ) or seq.num_tokens >= self.max_model_len:
@@ -273,7 +344,8 @@ class EngineCore:
         bm = self.block_manager
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting
+            + sum(len(self._requests[r].seqs) for r in self._compiling),
             kv_cache_usage=bm.usage,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,

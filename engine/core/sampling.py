@@ -15,6 +15,10 @@ from torch's global generator.
 Logprobs are those of the model's raw distribution (log_softmax of the logits before penalties
 and temperature), like vLLM's default: they describe what the model predicted, independent of how
 the token was then chosen.
+
+Rows of constrained sequences (structured outputs: a grammar matcher on the sequence) get their
+disallowed tokens set to -inf on the scores after the penalties, before the greedy or random pick;
+the logprobs still read the raw logits. Batches without a constrained row skip this entirely.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ import torch
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence, TokenLogprob
 from engine.model.cpu.kernels.argmax import argmax_rows
+from engine.model.cpu.threads import split_threads
+from engine.structured.bitmask import BitmaskApplier, allocate_bitmask
+from engine.structured.matcher import BitmaskFiller
+
+# Threads that fill the grammar masks of a batch's constrained rows (llguidance's own pool).
+MASK_THREADS = 2
 
 # top_p without top_k looks for the nucleus among this many best tokens first (a partial top-k is
 # far cheaper than sorting a 49k vocabulary); rows whose nucleus is larger are sorted in full.
@@ -52,6 +62,8 @@ class Sampler:
 
     def __init__(self, top_p_candidates: int = TOP_P_CANDIDATES) -> None:
         self.top_p_candidates = top_p_candidates
+        self._mask_filler: BitmaskFiller | None = None  # made by the first constrained batch
+        self._mask_applier = BitmaskApplier()
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]
@@ -60,6 +72,9 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
         params = [seq.params for seq in seqs]
         scores = apply_penalties(logits, seqs)
+        constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if constrained:
+            scores = self._apply_grammars(scores, seqs, constrained)
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy) == len(seqs):
@@ -74,6 +89,21 @@ class Sampler:
             )
             tokens = [picked[i] for i in range(len(seqs))]
         return tokens, _logprobs(logits, params, tokens)
+
+    def _apply_grammars(
+        self, scores: torch.Tensor, seqs: list[Sequence], rows: list[int]
+    ) -> torch.Tensor:
+        """`scores` with each constrained row's disallowed tokens at -inf, in the applier's
+        buffer (`scores` stay as they were: they may be the logits the logprobs read)."""
+        if self._mask_filler is None:
+            self._mask_filler = BitmaskFiller(MASK_THREADS)
+        matchers = [matcher for i in rows if (matcher := seqs[i].matcher) is not None]
+        bitmask = allocate_bitmask(len(rows), scores.shape[1])
+        self._mask_filler.fill(matchers, bitmask)
+        # One thread: on shared cores a second one's wake-up costs more than it saves, and
+        # sometimes milliseconds (docs/PERFORMANCE.md#structured-outputs).
+        with split_threads(torch.get_num_threads()):
+            return self._mask_applier.apply(scores, bitmask, rows)
 
     def _sample(
         self, scores: torch.Tensor, seqs: list[Sequence], rows: list[int]

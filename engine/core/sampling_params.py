@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate, compiled into a grammar by the engine.
+    ``value``: the JSON Schema as canonical JSON text (json_schema), the pattern (regex), a JSON
+    array of the allowed strings (choice), the EBNF grammar (grammar); empty for json_object. Its
+    text is the compile cache's key."""
+
+    kind: StructuredKind
+    value: str = ""
 
 
 @dataclass
@@ -28,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = chosen token plus k top alternatives
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # constrained decoding (engine.structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from engine.core.sampling_params import SamplingParams
+from engine.structured.matcher import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -42,6 +43,9 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.num_preemptions = 0
+        # Constrained decoding: where the output stands in the request's grammar. A preempted
+        # sequence keeps it, as it keeps its output tokens (recompute only rebuilds the KV cache).
+        self.matcher: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from engine.serving.metrics import CONTENT_TYPE
 from engine.serving.request_fields import get_token_ids
 from engine.serving.responses import ResponseBuilder, new_request_id
 from engine.serving.status import status_body
+from engine.serving.structured_fields import structured_param
 
 log = logging.getLogger("engine.server")
 
@@ -110,6 +111,8 @@ async def _generate(request: web.Request, parse: Any) -> web.StreamResponse:
     limits = engine.limits
     parsed: requests.GenerationRequest = parse(body, limits)  # the cheap checks, n's bound too
     engine.check_accepting(parsed.params.n)  # before the costly part
+    if parsed.params.structured is not None:  # a bad constraint is a 400 before any streaming
+        await engine.compile_grammar(parsed.params.structured, structured_param(body))
     parsed.prompt_token_ids = await engine.on_prompt_thread(
         lambda tokenizer: requests.encode_prompt(parsed, tokenizer, limits)
     )

@@ -21,9 +21,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.core.sequence import RequestOutput
-from engine.errors import EngineBusyError, EngineError
+from engine.errors import EngineBusyError, EngineError, InvalidRequestError
 from engine.serving.commands import AbortRequest, AddRequest, EngineCommand, Sleep, WakeUp
 from engine.serving.errors import EngineDeadError, ServiceUnavailableError
 from engine.serving.metrics import EngineMetrics
@@ -281,6 +281,22 @@ class AsyncEngine:
         self.check_loaded()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._prompt_thread, work, self._prompt_tokenizer)
+
+    async def compile_grammar(self, constraint: StructuredOutput, param: str) -> None:
+        """Compile a request's constraint on the core's compiler threads (engine.structured;
+        cached), so a bad one is a 400 naming `param` before the request is accepted, and the
+        core finds it compiled. Neither this loop nor the step loop waits on the compile."""
+        self.check_loaded()
+        compiler = getattr(self.core, "grammars", None)
+        if compiler is None:
+            raise InvalidRequestError(
+                "this engine does not support structured outputs", param=param
+            )
+        # Shielded: a client that leaves must not cancel the compile other requests share.
+        try:
+            await asyncio.shield(asyncio.wrap_future(compiler.submit(constraint)))
+        except InvalidRequestError as error:
+            raise InvalidRequestError(error.message, param=param, code=error.code) from None
 
     @asynccontextmanager
     async def generate(

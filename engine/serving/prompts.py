@@ -4,13 +4,26 @@ on the prompt thread, with that thread's own tokenizer."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from common.errors import excerpt
 from engine.errors import InvalidRequestError
 from engine.serving.request_fields import bad_field
+from engine.serving.tools.rendering import (
+    check_tools_shown,
+    fallback_messages,
+    native_messages,
+    template_renders_tools,
+)
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 def _message_text(index: int, content: Any) -> str:
@@ -32,40 +45,104 @@ def _message_text(index: int, content: Any) -> str:
     raise bad_field(f"messages[{index}].content", "must be a string or an array of text parts")
 
 
-def parse_messages(raw: Any) -> list[dict[str, str]]:
-    """A request's ``messages`` as the chat template takes them."""
+def _tool_calls(index: int, raw: Any) -> list[dict[str, Any]]:
+    """An assistant message's earlier ``tool_calls``, as OpenAI sends them back."""
+    path = f"messages[{index}].tool_calls"
+    if not isinstance(raw, list) or not raw:
+        raise bad_field(path, "must be a non-empty array of tool calls")
+    calls = []
+    for j, call in enumerate(raw):
+        if not isinstance(call, dict):
+            raise bad_field(f"{path}[{j}]", "must be an object")
+        if call.get("type", "function") != "function":
+            raise bad_field(f"{path}[{j}].type", "must be 'function'")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise bad_field(f"{path}[{j}].function", "must be an object")
+        for key in ("name", "arguments"):
+            if not isinstance(function.get(key), str):
+                raise bad_field(f"{path}[{j}].function.{key}", "must be a string")
+        if not isinstance(call.get("id"), str):
+            raise bad_field(f"{path}[{j}].id", "must be a string")
+        calls.append(
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": function["name"], "arguments": function["arguments"]},
+            }
+        )
+    return calls
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise bad_field(f"messages[{index}]", "must be an object")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise bad_field(
+            f"messages[{index}].role",
+            f"{excerpt(repr(role))} is not supported (system, developer, user, assistant, tool)",
+        )
+    parsed: dict[str, Any] = {"role": _ROLES[role]}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        parsed["tool_calls"] = _tool_calls(index, message["tool_calls"])
+        content = message.get("content")  # null beside calls, as OpenAI sends it back
+        parsed["content"] = None if content is None else _message_text(index, content)
+        return parsed
+    if message.get("tool_calls") is not None:
+        raise bad_field(f"messages[{index}].tool_calls", "only assistant messages make tool calls")
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise bad_field(f"messages[{index}].tool_call_id", "must be a string")
+        parsed["tool_call_id"] = message["tool_call_id"]
+    parsed["content"] = _message_text(index, message.get("content"))
+    return parsed
+
+
+def parse_messages(raw: Any) -> list[dict[str, Any]]:
+    """A request's ``messages`` as the chat template takes them: ``content`` a string (None only
+    beside an assistant's ``tool_calls``), a tool result's ``tool_call_id``."""
     if not isinstance(raw, list) or not raw:
         raise bad_field("messages", "must be a non-empty array of messages")
-    messages = []
-    for i, message in enumerate(raw):
-        if not isinstance(message, dict):
-            raise bad_field(f"messages[{i}]", "must be an object")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise bad_field(
-                f"messages[{i}].role",
-                f"{excerpt(repr(role))} is not supported (system, developer, user, assistant)",
-            )
-        if message.get("tool_calls"):
-            raise bad_field(f"messages[{i}].tool_calls", "tool calls are not supported")
-        messages.append({"role": _ROLES[role], "content": _message_text(i, message.get("content"))})
-    return messages
+    return [_message(i, message) for i, message in enumerate(raw)]
+
+
+def prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """The characters of a chat the template renders: the texts, earlier calls and tools."""
+    chars = sum(len(m["content"] or "") for m in messages)
+    for message in messages:
+        for call in message.get("tool_calls", ()):
+            chars += len(call["function"]["name"]) + len(call["function"]["arguments"])
+    return chars + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Parsed ``messages`` through the model's chat template, then tokenised."""
+    """Parsed ``messages`` (and OpenAI ``tools``) through the model's chat template, then
+    tokenised. A template that ignores tools gets them, and the conversation's earlier calls and
+    results, in the Hermes format (engine/serving/tools/rendering.py)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template; use /v1/completions")
+    uses_tools = bool(tools) or any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+    section = None
+    if uses_tools and template_renders_tools(tokenizer):
+        messages = native_messages(messages)
+    elif uses_tools:
+        messages, section = fallback_messages(messages, tools)
+        tools = None
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as error:  # jinja raises for conversations the template forbids
         raise InvalidRequestError(
             f"chat template error: {excerpt(str(error))}", param="messages"
         ) from error
+    check_tools_shown(text, section)
     # The template already writes any BOS/special tokens it wants.
     return encode_text(tokenizer, text, "messages", add_special_tokens=False)
 

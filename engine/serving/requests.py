@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.serving.prompts import apply_chat_template, encode_text, parse_messages
+from engine.serving.prompts import apply_chat_template, encode_text, parse_messages, prompt_chars
 from engine.serving.request_fields import (
     bad_field,
     check_token_ids,
@@ -22,6 +22,9 @@ from engine.serving.request_fields import (
     get_token_ids,
     is_int,
 )
+from engine.serving.structured_fields import parse_structured
+from engine.serving.tools.constraint import forced_call_constraint
+from engine.serving.tools.request import ToolRequest, parse_tool_request
 
 MAX_COMPLETION_LOGPROBS = 20
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -78,6 +81,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     add_generation_prompt: bool = True
+    tools: ToolRequest | None = None  # chat: the declared tools and tool_choice
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
@@ -97,13 +101,6 @@ def _reject_unsupported(body: dict) -> None:
         ("echo", body.get("echo") not in (None, False), "echo is not supported"),
         ("suffix", body.get("suffix") not in (None, ""), "suffix is not supported"),
         ("logit_bias", bool(body.get("logit_bias")), "logit_bias is not supported"),
-        ("tools", bool(body.get("tools")), "tools are not supported by this engine"),
-        (
-            "response_format",
-            isinstance(body.get("response_format"), dict)
-            and body["response_format"].get("type") not in (None, "text"),
-            "only response_format type 'text' is supported",
-        ),
     ]
     for param, bad, message in checks:
         if bad:
@@ -153,6 +150,7 @@ def _sampling_params(
         ignore_eos=get_field(body, "ignore_eos", "bool", False),
         logprobs=logprobs,
         include_stop_str_in_output=get_field(body, "include_stop_str_in_output", "bool", False),
+        structured=parse_structured(body),
     )
 
 
@@ -188,7 +186,9 @@ def encode_prompt(request: GenerationRequest, tokenizer: Any, limits: RequestLim
     seconds for a long prompt (run it off the event loop, with a tokenizer of its own thread)."""
     if request.kind == "chat":
         param = "messages"
-        ids = _encode_chat(tokenizer, request.prompt, request.add_generation_prompt, limits)
+        ids = _encode_chat(
+            tokenizer, request.prompt, request.add_generation_prompt, limits, request.tools
+        )
     else:
         param = "prompt"
         prompt = request.prompt
@@ -200,12 +200,17 @@ def encode_prompt(request: GenerationRequest, tokenizer: Any, limits: RequestLim
 
 
 def _encode_chat(
-    tokenizer: Any, raw_messages: Any, add_generation_prompt: bool, limits: RequestLimits
+    tokenizer: Any,
+    raw_messages: Any,
+    add_generation_prompt: bool,
+    limits: RequestLimits,
+    tools: ToolRequest | None,
 ) -> list[int]:
     """A chat's token ids through the template, its text measured against the prompt cap first."""
     messages = parse_messages(raw_messages)
-    limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-    return apply_chat_template(tokenizer, messages, add_generation_prompt)
+    tool_dicts = [tool.as_openai() for tool in tools.tools] if tools else None
+    limits.check_prompt_chars(prompt_chars(messages, tool_dicts), "messages")
+    return apply_chat_template(tokenizer, messages, add_generation_prompt, tool_dicts)
 
 
 # ---- chat ----------------------------------------------------------------------------------
@@ -230,6 +235,14 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
         raise bad_field("messages", "must be a non-empty array of messages")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     params = _sampling_params(body, max_tokens, _chat_logprobs(body), limits)
+    tools = parse_tool_request(body)
+    if tools is not None and (constraint := forced_call_constraint(tools)) is not None:
+        if params.structured is not None:
+            raise bad_field(
+                "tool_choice",
+                "'required' or a named function cannot be combined with response_format",
+            )
+        params.structured = constraint
     return GenerationRequest(
         "chat",
         model,
@@ -238,6 +251,7 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
         stream,
         include_usage,
         add_generation_prompt=get_field(body, "add_generation_prompt", "bool", True),
+        tools=tools,
     )
 
 
@@ -288,9 +302,10 @@ def parse_tokenize_request(body: dict, limits: RequestLimits) -> Callable[[Any],
     event loop, given that thread's tokenizer."""
     if "messages" in body:
         add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
+        tools = parse_tool_request(body)
 
         return lambda tokenizer: _encode_chat(
-            tokenizer, body["messages"], add_generation_prompt, limits
+            tokenizer, body["messages"], add_generation_prompt, limits, tools
         )
     prompt = get_field(body, "prompt", "str")
     if prompt is None:

@@ -1,4 +1,9 @@
-"""One request's RequestOutput deltas -> OpenAI's streamed chunks or final response body."""
+"""One request's RequestOutput deltas -> OpenAI's streamed chunks or final response body.
+
+A chat request with tools splits each choice's text into content and tool calls
+(engine/serving/tools/splitter.py): streamed, as ``delta.tool_calls`` pieces the official SDK
+accumulates; whole, as ``message.tool_calls``. A choice that made calls and stopped by itself
+finishes with ``tool_calls``."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any
 
 from engine.core.sequence import CompletionOutput, RequestOutput, TokenLogprob
 from engine.serving.requests import GenerationRequest
+from engine.serving.tools.splitter import CallPiece, Piece, new_splitter, split_reply
 
 # ---- responses -----------------------------------------------------------------------------
 
@@ -37,6 +43,8 @@ class ResponseBuilder:
         self._choices = [_Choice() for _ in range(request.params.n)]
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self._is_chat = request.kind == "chat"
+        tools = request.tools if self._is_chat else None
+        self._splitters = [new_splitter(tools) for _ in self._choices]
 
     # shared pieces
 
@@ -135,40 +143,59 @@ class ResponseBuilder:
             offset_choice = self._choices[delta.index]
             logprobs = self._logprobs(offset_choice, delta.logprobs) if delta.token_ids else None
             choice = self._absorb(delta)
-            if delta.text or logprobs is not None:
-                if self._is_chat:
-                    body = {
-                        "index": delta.index,
-                        "delta": {"content": delta.text},
-                        "logprobs": logprobs,
-                        "finish_reason": None,
-                    }
-                else:
-                    body = {
-                        "index": delta.index,
-                        "text": delta.text,
-                        "logprobs": logprobs,
-                        "finish_reason": None,
-                    }
-                chunks.append(self._chunk(body))
-                choice.text.append(delta.text)
-            if delta.finish_reason is not None:
-                if self._is_chat:
-                    body = {
-                        "index": delta.index,
-                        "delta": {},
-                        "logprobs": None,
-                        "finish_reason": delta.finish_reason,
-                    }
-                else:
-                    body = {
-                        "index": delta.index,
-                        "text": "",
-                        "logprobs": None,
-                        "finish_reason": delta.finish_reason,
-                    }
-                chunks.append(self._chunk(body))
+            if self._is_chat:
+                bodies = self._chat_bodies(delta, logprobs)
+            else:
+                bodies = self._completion_bodies(delta, logprobs)
+            choice.text.append(delta.text)
+            chunks.extend(self._chunk(body) for body in bodies)
         return chunks
+
+    def _chat_bodies(self, delta: CompletionOutput, logprobs: dict | None) -> list[dict]:
+        splitter = self._splitters[delta.index]
+        if splitter is None:
+            deltas = [{"content": delta.text}] if delta.text or logprobs is not None else []
+        else:
+            pieces = splitter.feed(delta.text) if delta.text else []
+            if delta.finish_reason is not None:
+                pieces += splitter.finish()
+            deltas = [_chat_delta(piece) for piece in pieces]
+            if logprobs is not None and not deltas:  # the text is held back, its logprobs not
+                deltas = [{}]
+        bodies = [
+            {"index": delta.index, "delta": d, "logprobs": None, "finish_reason": None}
+            for d in deltas
+        ]
+        if bodies:
+            bodies[0]["logprobs"] = logprobs
+        if delta.finish_reason is not None:
+            reason = _finish_reason(delta.finish_reason, splitter.calls if splitter else 0)
+            bodies.append(
+                {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+            )
+        return bodies
+
+    def _completion_bodies(self, delta: CompletionOutput, logprobs: dict | None) -> list[dict]:
+        bodies = []
+        if delta.text or logprobs is not None:
+            bodies.append(
+                {
+                    "index": delta.index,
+                    "text": delta.text,
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
+            )
+        if delta.finish_reason is not None:
+            bodies.append(
+                {
+                    "index": delta.index,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": delta.finish_reason,
+                }
+            )
+        return bodies
 
     def _chunk(self, choice: dict) -> dict:
         obj = "chat.completion.chunk" if self._is_chat else "text_completion"
@@ -198,12 +225,16 @@ class ResponseBuilder:
                     else self._completion_logprobs(choice.logprobs, 0)
                 )
             if self._is_chat:
+                content, calls = split_reply(self.request.tools, text)
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = calls
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": logprobs,
-                        "finish_reason": choice.finish_reason,
+                        "finish_reason": _finish_reason(choice.finish_reason, len(calls)),
                     }
                 )
             else:
@@ -224,3 +255,21 @@ class ResponseBuilder:
             "choices": choices,
             "usage": self.usage(),
         }
+
+
+def _chat_delta(piece: Piece) -> dict:
+    """A splitter's piece as a chat chunk's delta; a call's first piece names it."""
+    if not isinstance(piece, CallPiece):
+        return {"content": piece.text}
+    call: dict[str, Any] = {"index": piece.index}
+    if piece.id is not None:
+        call.update(id=piece.id, type="function")
+        call["function"] = {"name": piece.name, "arguments": piece.arguments}
+    else:
+        call["function"] = {"arguments": piece.arguments}
+    return {"tool_calls": [call]}
+
+
+def _finish_reason(reason: str | None, calls: int) -> str | None:
+    """OpenAI's ``tool_calls`` for a choice that called tools and stopped by itself."""
+    return "tool_calls" if calls and reason == "stop" else reason

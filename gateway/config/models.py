@@ -14,6 +14,7 @@ from gateway.config.residency import read_residency
 from gateway.config.schema import (
     AFFINITY_KINDS,
     Affinity,
+    Capabilities,
     GatewaySettings,
     ModelConfig,
     ModelDefaults,
@@ -76,6 +77,7 @@ def read_model(
         kv_cache_memory=engine.kv_cache_memory,
         limits=_read_limits(r.section("limits")),
         affinity=_read_affinity(r.section("affinity")),
+        capabilities=_read_capabilities(r, local=source is not None),
         upstream_model=r.string("upstream_model"),
         engine_args=r.string_list("engine_args"),
         timeouts=read_timeouts(r.section("timeouts"), gateway.timeouts),
@@ -135,6 +137,24 @@ def _read_limits(r: Reader) -> ModelLimits:
     )
     r.finish()
     return limits
+
+
+def _read_capabilities(r: Reader, local: bool) -> Capabilities:
+    """``capabilities: {tools: false, ...}``: only an external model may lack a feature."""
+    if local and r.has("capabilities"):
+        r.error(
+            "capabilities",
+            "only applies to external models (with `upstreams`): local "
+            "engines support every feature",
+        )
+    section = r.section("capabilities")
+    d = Capabilities()
+    capabilities = Capabilities(
+        tools=section.boolean("tools", d.tools),
+        structured_outputs=section.boolean("structured_outputs", d.structured_outputs),
+    )
+    section.finish()
+    return capabilities
 
 
 def _read_affinity(r: Reader) -> Affinity:

@@ -128,6 +128,16 @@ class HoldQueue:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What an external upstream can do: a request using a feature it lacks gets the gateway's own
+    400 naming the field, rather than the upstream's (possibly silent) mishandling. Local engines
+    support every feature."""
+
+    tools: bool = True  # tools / functions (tool calling)
+    structured_outputs: bool = True  # response_format json_*, structured_outputs, guided_*
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     aliases: tuple[str, ...] = ()
@@ -151,6 +161,7 @@ class ModelConfig:
     limits: ModelLimits = ModelLimits()
     timeouts: Timeouts = Timeouts()
     affinity: Affinity = Affinity()
+    capabilities: Capabilities = Capabilities()
     # Residency (local models): "pinned" engines run from start to stop; "on_demand" ones start
     # at their first request and are parked (or stopped) after idle_ttl_s without requests.
     residency: str = "pinned"  # one of RESIDENCY_KINDS

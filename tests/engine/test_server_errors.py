@@ -74,7 +74,7 @@ async def test_ok_then_error_shapes(server):
         (
             CHAT,
             {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]},
-            "messages[0].role",
+            "messages[0].tool_call_id",
         ),
         (
             CHAT,
