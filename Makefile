@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench lint format models prometheus venv clean
+.PHONY: serve test bench bench-peers lint format models prometheus venv clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,12 @@ bench: $(STAMP) $(MODEL)
 		--output-len 128 --num-requests 32 --max-seconds 60 --offline --baseline-hf \
 		--out bench-results/serving-bf16.json
 	$(PY) scripts/bench_gateway.py --out bench-results/gateway.json
+
+# Modelyard beside llama.cpp's llama-server (built once into .cache/peers/, ~15 min on 2 cores):
+# same model, same seeded load, alternating rounds. MODELYARD_CPU_ISA=avx2 builds both AVX2-only.
+bench-peers: $(STAMP) $(MODEL)
+	@mkdir -p bench-results
+	$(PY) scripts/bench_peers.py --model $(MODEL) --out bench-results/peers.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .

@@ -14,6 +14,9 @@ class EngineConfig:
     served_model_names: list[str] = field(default_factory=list)
     # auto | float32 | float16 | bfloat16 (auto: bf16/fp16 on CUDA, fp32 on CPU)
     dtype: str = "auto"
+    # auto | none | int8 | int4: narrow CPU weights (engine.model.cpu.quantize); auto: a GGUF
+    # file's own Q8_0 / Q4_0 / Q4_1 blocks where they are, the rest as --dtype
+    quantization: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     # auto (the model's dtype) | float32 | float16 | bfloat16: a narrower cache holds more tokens
     # and halves the bytes decode attention reads; attention still computes in the model's dtype

@@ -33,6 +33,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.file_hash import file_sha256
+from engine.model.cache_dir import cache_root
+from engine.model.cpu.linear import native_bf16
+from engine.model.cpu.narrow_weights import check_quantization
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +78,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             f"unknown dtype {name!r}: use auto, {', '.join(_DTYPES)}", param="dtype"
         )
     return _DTYPES[name]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MODELYARD_CACHE_DIR", Path.home() / ".cache" / "modelyard"))
 
 
 def split_source(model: str, gguf_file: str | None) -> tuple[Path, str | None]:
@@ -205,10 +204,29 @@ def _text_config(hf_config: PretrainedConfig) -> PretrainedConfig:
     return get() if callable(get) else hf_config
 
 
+def cpu_weight_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype to load the weights in: ``dtype``, except bf16 on a CPU without native bf16
+    GEMMs (neither AVX512-BF16 nor AMX), where torch's bf16 GEMMs run several times slower than
+    fp32 (docs/PERFORMANCE.md#bf16): fp32 then, with a warning, and with ``--kv-cache-dtype auto``
+    the KV cache still stores bf16 (set in ``config``), which the decode kernel reads natively."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or native_bf16():
+        return dtype
+    if config.kv_cache_dtype == "auto":
+        config.kv_cache_dtype = "bfloat16"
+    log.warning(
+        "--dtype bfloat16: this CPU has neither AVX512-BF16 nor AMX, and bf16 GEMMs without them "
+        "run several times slower than float32: loading the weights as float32 instead (KV "
+        "cache: %s). Pass --dtype float32 to start without this warning.",
+        config.kv_cache_dtype,
+    )
+    return torch.float32
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load the model named by ``config`` onto its device, in eval mode."""
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = cpu_weight_dtype(config, device, resolve_dtype(config.dtype, device))
+    check_quantization(config, device, dtype)
     folder, gguf_name = split_source(config.model, config.gguf_file)
     try:
         source = converted_gguf_dir(folder / gguf_name) if gguf_name else folder

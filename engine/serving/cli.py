@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("--dtype", {"choices": ["auto", "float32", "float16", "bfloat16"],
                      "default": d["dtype"], "metavar": "DTYPE"},
          "auto, float32, float16 or bfloat16 (default %(default)s)"),
+        ("--quantization", {"choices": ["auto", "none", "int8", "int4"],
+                            "default": d["quantization"], "metavar": "FORMAT"},
+         "linear and embedding weights on CPU: auto (a GGUF file's own Q8_0/Q4_0/Q4_1 blocks, "
+         "the rest as --dtype), none (all as --dtype), int8 or int4 (every linear; quantised at "
+         "load where the file holds another type) (default %(default)s)"),
         ("--kv-cache-dtype", {"choices": ["auto", "float32", "float16", "bfloat16"],
                               "default": d["kv_cache_dtype"], "metavar": "DTYPE"},
          "KV cache storage: auto (the model's dtype) or a narrower one (default %(default)s)"),
@@ -174,6 +179,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptio
             gguf_file=args.gguf_file,
             served_model_names=args.served_model_name or [],
             dtype=args.dtype,
+            quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             max_model_len=args.max_model_len,

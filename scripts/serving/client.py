@@ -94,13 +94,19 @@ def _choice_text(choice: dict) -> str:
 
 
 async def run_concurrency(
-    client: Client, specs: list[RequestSpec], concurrency: int, max_seconds: float
+    client: Client,
+    specs: list[RequestSpec],
+    concurrency: int,
+    max_seconds: float,
+    fresh_connections: bool = False,
 ) -> dict:
-    """Closed loop: ``concurrency`` workers, each sends its next request when one finishes."""
+    """Closed loop: ``concurrency`` workers, each sends its next request when one finishes.
+    ``fresh_connections``: one connection per request, for servers (llama-server's cpp-httplib)
+    whose HTTP worker threads a kept-alive idle connection would hold."""
     results: list[RequestResult] = []
     queue = list(reversed(specs))
     deadline = time.perf_counter() + max_seconds
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=max(max_seconds, 60))
 
     async def worker(session: aiohttp.ClientSession) -> None:

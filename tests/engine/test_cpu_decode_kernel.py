@@ -195,10 +195,11 @@ def test_peaked_scores_and_nan_rows():
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, 5.0)])
-def test_bf16_pools(window, softcap):
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # 24: widened for the portable tiles
+def test_bf16_pools(window, softcap, head_dim):
     """bf16 K/V are widened exactly: an fp32 query matches the float64 reference of the same bf16
     values tightly; a bf16 query returns bf16 within bf16 rounding."""
-    batch = make_batch([1] * len(RAGGED), RAGGED, q_heads=9, kv_heads=3, head_dim=64,
+    batch = make_batch([1] * len(RAGGED), RAGGED, q_heads=9, kv_heads=3, head_dim=head_dim,
                        block_size=16, dtype=torch.bfloat16, seed=2)  # fmt: skip
     write_kv_cache_torch(
         batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping

@@ -165,7 +165,10 @@ def one_thread():
 @pytest.mark.smollm2
 @pytest.mark.timeout(900)
 def test_smollm2_greedy_matches_transformers(smollm2_gguf: Path, one_thread: None) -> None:
-    llm = LLM(str(smollm2_gguf), num_threads=1, dtype="float32", max_model_len=512)
+    # the dense engine against transformers; narrow weights: test_narrow_quality.py
+    llm = LLM(
+        str(smollm2_gguf), num_threads=1, dtype="float32", quantization="none", max_model_len=512
+    )
     topics = [
         "the moon",
         "paged attention",

@@ -1,7 +1,8 @@
 """The runner's one entry to the CPU speed-ups: `prepare_cpu_fast_path` readies a loaded model
 for CPU speed once, and the `CpuFastPath` it returns answers the runner's per-step questions.
 
-At load: torch's intra-op thread count, and every linear replaced by prepacked GEMMs
+At load: torch's intra-op thread count, the linears on narrow weights where ``--quantization``
+asks for them (`narrow_weights`), and every other linear replaced by prepacked GEMMs
 (`engine.model.cpu.linear`: oneDNN-blocked weights, fp32 panels for the C panel GEMM, q/k/v and
 gate/up fused) where oneDNN supports the dtype. Per forward: which ops get every thread
 (`step_threads`). Once, after the runner measured its KV budget: the lean Llama forward
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,6 +25,8 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.model.cpu.lean_forward import LeanLlamaForward
 from engine.model.cpu.linear import prepack_linears, prepack_supported
+from engine.model.cpu.narrow_weights import narrow_weights
+from engine.model.cpu.quantize import QuantizedModel
 from engine.model.cpu.threads import split_threads
 
 # torch parallelises an elementwise op from this many elements (at::internal::GRAIN_SIZE).
@@ -35,9 +39,16 @@ _ELEMENTWISE_PARALLEL = 256 * 576
 class CpuFastPath:
     """A model prepared by `prepare_cpu_fast_path`."""
 
-    def __init__(self, model: nn.Module, threads: int, num_prepacked: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        threads: int,
+        num_prepacked: int,
+        narrow: QuantizedModel | None = None,
+    ) -> None:
         self.threads = threads  # intra-op threads of big ops (small ones run on one: step_threads)
-        self.num_prepacked = num_prepacked  # GEMMs that replaced the model's linears
+        self.num_prepacked = num_prepacked  # dense GEMMs that replaced the model's linears
+        self.narrow = narrow  # what went onto narrow weights (None: nothing)
         self._model = model
         self._hidden_size = model.get_input_embeddings().embedding_dim
 
@@ -61,14 +72,20 @@ class CpuFastPath:
 
 
 def prepare_cpu_fast_path(
-    model: nn.Module, device: torch.device, dtype: torch.dtype, config: EngineConfig
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    config: EngineConfig,
+    source: Path | None = None,
 ) -> CpuFastPath | None:
-    """Ready ``model`` (loaded on ``device`` in ``dtype``) for CPU speed; None off the CPU."""
+    """Ready ``model`` (loaded on ``device`` in ``dtype``, from the folder ``source``: its narrow
+    weights are cached) for CPU speed; None off the CPU."""
     if device.type != "cpu":
         return None
     threads = max(1, config.num_threads or len(os.sched_getaffinity(0)))
     torch.set_num_threads(threads)
+    narrow = narrow_weights(model, dtype, config, source)
     num_prepacked = 0
     if prepack_supported(device, dtype):
         num_prepacked = prepack_linears(model, batch_size_hint=config.max_num_seqs)
-    return CpuFastPath(model, threads, num_prepacked)
+    return CpuFastPath(model, threads, num_prepacked, narrow)

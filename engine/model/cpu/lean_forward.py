@@ -21,11 +21,14 @@ from torch import nn
 
 from engine.model.cpu.kernels.fused_ops import FusedOps, StepOps
 from engine.model.cpu.linear import FusedMember, PrepackedLinear, StepGemms
+from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
 
 if TYPE_CHECKING:
     from engine.model.step_context import StepContext
 
 
+# The linears the lean forward runs: prepacked dense ones or narrow-weight ones.
+Linear = PrepackedLinear | QuantizedLinear
 # Architectures whose decoder layer is the plain pre-norm Llama block (with or without q/k/v bias).
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # That block's submodules: Gemma 2/3 add pre/post feed-forward norms, and their post-attention
@@ -38,11 +41,11 @@ class _Layer:
     """The pieces of one decoder layer the lean forward calls."""
 
     input_norm: tuple[torch.Tensor, float]
-    qkv: PrepackedLinear
-    o_proj: PrepackedLinear
+    qkv: Linear
+    o_proj: Linear
     post_norm: tuple[torch.Tensor, float]
-    gate_up: PrepackedLinear
-    down: PrepackedLinear
+    gate_up: Linear
+    down: Linear
     scale: float
     sliding_window: int | None
 
@@ -54,18 +57,20 @@ class LeanLlamaForward:
     def __init__(self, model: nn.Module) -> None:
         inner = model.model
         config = model.config
-        if type(inner.embed_tokens) is not nn.Embedding:  # e.g. Gemma's, scaled by sqrt(hidden)
+        # not e.g. Gemma's, scaled by sqrt(hidden)
+        if type(inner.embed_tokens) not in (nn.Embedding, QuantizedEmbedding):
             raise TypeError("not a plain embedding")
-        self.embed: nn.Embedding = inner.embed_tokens
+        self.embed: nn.Embedding | QuantizedEmbedding = inner.embed_tokens
         self.rotary = _rotary_of(inner.rotary_emb)
         self.final_norm = _norm_params(inner.norm)
-        self.lm_head: PrepackedLinear = model.lm_head
+        self.lm_head: Linear = model.lm_head
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.layers = [_layer(layer) for layer in inner.layers]
         self.mlp_width = self.layers[0].down.in_features
-        self.ops = FusedOps(self.embed.weight.dtype, self.embed.weight.device)
+        dtype = getattr(self.embed, "dtype", None) or self.embed.weight.dtype
+        self.ops = FusedOps(dtype, self.final_norm[0].device)
 
     @classmethod
     def build(cls, model: nn.Module) -> LeanLlamaForward | None:
@@ -74,7 +79,7 @@ class LeanLlamaForward:
         if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             return None
         if getattr(config, "hidden_act", None) != "silu" or not isinstance(
-            getattr(model, "lm_head", None), PrepackedLinear
+            getattr(model, "lm_head", None), (PrepackedLinear, QuantizedLinear)
         ):
             return None
         try:
@@ -186,8 +191,8 @@ def _layer(layer: nn.Module) -> _Layer:
     )
 
 
-def _prepacked(module: nn.Module) -> PrepackedLinear:
-    if not isinstance(module, PrepackedLinear):
+def _prepacked(module: nn.Module) -> Linear:
+    if not isinstance(module, (PrepackedLinear, QuantizedLinear)):
         raise TypeError(f"{type(module).__name__} is not prepacked")
     return module
 

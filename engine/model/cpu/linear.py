@@ -5,10 +5,11 @@ On CPU, ``F.linear`` re-lays the weight out for oneDNN on every call; reordering
 For decode-sized batches (up to kernels.panel_gemm.MAX_ROWS rows) fp32 weights also get
 a copy in the panel layout of the engine's own GEMM, faster still, called through `StepGemms` by
 the lean forward (figures: docs/PERFORMANCE.md#panel-gemm). Without the C kernels (no compiler,
-no AVX-512) a plain copy serves single rows instead. Either copy holds the linear weights a second
-time (+540 MB for SmolLM2 in fp32). bf16 weights (on CPUs with AVX512-BF16 or AMX) run every GEMM
-prepacked, single rows included, markedly faster than fp32 (docs/PERFORMANCE.md#bf16). On CUDA the
-plain ``nn.Linear`` already runs cuBLAS, so nothing is replaced there.
+or a build with neither AVX-512 nor AVX2) a plain copy serves single rows instead. Either copy
+holds the linear weights a second time (+540 MB for SmolLM2 in fp32). bf16 weights (on CPUs with
+AVX512-BF16 or AMX; elsewhere the loader loads fp32) run every GEMM prepacked, single rows
+included, markedly faster than fp32 (docs/PERFORMANCE.md#bf16). On CUDA the plain ``nn.Linear``
+already runs cuBLAS, so nothing is replaced there.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ from engine.model.cpu.kernels.panel_gemm import PanelOperands
 from engine.model.cpu.threads import all_threads, release
 
 
+def native_bf16() -> bool:
+    """Whether this CPU runs oneDNN's bf16 GEMMs natively (AVX512-BF16 or AMX, as oneDNN sees it:
+    ONEDNN_MAX_CPU_ISA=AVX2 hides them)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN prepacking applies to weights of this device and dtype (bf16 needs a CPU
-    with native bf16 instructions: AVX512-BF16 or AMX)."""
-    if dtype == torch.bfloat16:
-        dtype_ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    else:
-        dtype_ok = dtype == torch.float32
+    with native bf16 instructions: `native_bf16`)."""
+    dtype_ok = native_bf16() if dtype == torch.bfloat16 else dtype == torch.float32
     return (
         device.type == "cpu"
         and dtype_ok
@@ -195,19 +199,11 @@ class FusedProjection(nn.Module):
     version counter match), and recompute otherwise.
     """
 
-    def __init__(
-        self,
-        linears: list[nn.Linear],
-        batch_size_hint: int,
-        paired: bool = False,
-        arena: HugePageArena | None = None,
-    ) -> None:
+    def __init__(self, gemm: nn.Module, widths: list[int]) -> None:
+        """``gemm``: one linear over the projections' stacked weights, ``widths`` their outputs."""
         super().__init__()
-        weight = torch.cat([m.weight.detach() for m in linears])
-        has_bias = linears[0].bias is not None
-        bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
-        self.widths = [m.out_features for m in linears]
-        self.gemm = PrepackedLinear(weight, bias, batch_size_hint, paired, arena)
+        self.widths = widths
+        self.gemm = gemm
         self._pending = _Pending()
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -256,7 +252,14 @@ class FusedMember(nn.Module):
         return self.fused.output(self.index, x)
 
 
-def _fuse_groups(parent: nn.Module, batch_size_hint: int, arena: HugePageArena) -> int:
+# Builds one GEMM for a group of projections (``paired``: an MLP's [gate; up] of equal widths),
+# or None where it cannot.
+GemmBuilder = Callable[[list[nn.Linear], bool], "nn.Module | None"]
+
+
+def fuse_groups(parent: nn.Module, build: GemmBuilder) -> int:
+    """Replace each of ``parent``'s FUSABLE_GROUPS (plain nn.Linears of one input width and bias
+    kind) with a FusedProjection on ``build``'s GEMM; return how many were fused."""
     fused_count = 0
     for names in FUSABLE_GROUPS:
         members = [getattr(parent, name, None) for name in names]
@@ -268,12 +271,22 @@ def _fuse_groups(parent: nn.Module, batch_size_hint: int, arena: HugePageArena) 
         ):
             continue
         paired = names == GATE_UP and members[0].out_features == members[1].out_features
-        fused = FusedProjection(members, batch_size_hint, paired, arena)
+        gemm = build(members, paired)
+        if gemm is None:
+            continue
+        fused = FusedProjection(gemm, [m.out_features for m in members])
         parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), fused)
         for index, name in enumerate(names):
             setattr(parent, name, FusedMember(fused, index))
         fused_count += 1
     return fused_count
+
+
+def stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """The concatenated biases of ``linears`` (all with or all without one)."""
+    if linears[0].bias is None:
+        return None
+    return torch.cat([m.bias.detach() for m in linears])
 
 
 def prepack_linears(model: nn.Module, batch_size_hint: int, fuse: bool = True) -> int:
@@ -287,9 +300,14 @@ def prepack_linears(model: nn.Module, batch_size_hint: int, fuse: bool = True) -
     """
     replaced = 0
     arena = HugePageArena()
+
+    def build(linears: list[nn.Linear], paired: bool) -> PrepackedLinear:
+        weight = torch.cat([m.weight.detach() for m in linears])
+        return PrepackedLinear(weight, stacked_bias(linears), batch_size_hint, paired, arena)
+
     for parent in list(model.modules()):
         if fuse:
-            replaced += _fuse_groups(parent, batch_size_hint, arena)
+            replaced += fuse_groups(parent, build)
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 packed = PrepackedLinear(child.weight, child.bias, batch_size_hint, arena=arena)

@@ -24,8 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* _mm_pause (SSE2) on every x86 build, and the AVX tiles */
 #endif
 
 #include "bf16.h"
@@ -224,7 +224,7 @@ static void tile_values_portable(const float *w, int64_t w_stride, const float *
     }
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 /* Elements d..d+15 of a row as fp32: loaded, or bf16 widened in the register (bf16 is the top half
  * of an fp32), faster than widening a tile into a buffer first
  * (docs/PERFORMANCE.md#decode-attention-kernel). */
@@ -234,12 +234,15 @@ static inline __m512 load16(const void *row, int64_t d, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* Dimensions the SIMD tile routines take at a time: they serve head_dim % SIMD_DIMS == 0. */
+#define SIMD_DIMS 64
+
 /* tile_scores_portable for head_dim % 64 == 0 with AVX-512, 64 dims (4 registers) of a row at a
  * time: per query head the 16 rows' dot products accumulate in 16 registers reduced together
  * (sum_lanes16) and stored as one vector. Rows past n repeat row n - 1, so every load is a real row
  * of the tile; their scores land past n, where nothing reads them. The rows hold bf16 when bf16
  * (a constant in each inlined copy), else fp32. */
-static inline void tile_scores_avx512(const float *q, const void *k, int64_t rs, int64_t n,
+static inline void tile_scores_simd(const float *q, const void *k, int64_t rs, int64_t n,
                                       int64_t group, int64_t head_dim, float softcap, float *s,
                                       int64_t s_stride, const Upcoming *next, const int bf16) {
     const int64_t row_bytes = rs * (bf16 ? 2 : 4);
@@ -268,13 +271,13 @@ static inline void tile_scores_avx512(const float *q, const void *k, int64_t rs,
     }
 }
 
-/* Query heads whose outputs tile_values_avx512 keeps in registers at once (4 registers each). */
+/* Query heads whose outputs tile_values_simd keeps in registers at once (4 registers each). */
 #define VALUE_HEADS 4
 
 /* tile_values_portable for head_dim % 64 == 0 with AVX-512: per 64 dims, each V row is loaded
  * once (4 registers) for up to VALUE_HEADS query heads of the group, whose outputs stay in
  * registers for the whole tile. */
-static inline void tile_values_avx512(const float *w, int64_t w_stride, const void *v, int64_t rs,
+static inline void tile_values_simd(const float *w, int64_t w_stride, const void *v, int64_t rs,
                                       int64_t n, int64_t group, int64_t head_dim, float *out,
                                       const Upcoming *next, const int bf16) {
     const int64_t row_bytes = rs * (bf16 ? 2 : 4);
@@ -311,13 +314,110 @@ static inline void tile_values_avx512(const float *w, int64_t w_stride, const vo
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* 8 vectors -> one vector whose lane i is the sum of v[i]'s lanes (as sum_lanes16, for AVX2). */
+static inline __m256 sum_lanes8(const __m256 v[8]) {
+    const __m256 ab = _mm256_hadd_ps(v[0], v[1]), cd = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 ef = _mm256_hadd_ps(v[4], v[5]), gh = _mm256_hadd_ps(v[6], v[7]);
+    /* 128-bit lane 0: rows 0-3 (then 4-7) summed over dims 0-3, lane 1 over dims 4-7 */
+    const __m256 low = _mm256_hadd_ps(ab, cd), high = _mm256_hadd_ps(ef, gh);
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                         _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+/* Elements d..d+7 of a row as fp32: loaded, or bf16 widened in the register (as load16). */
+static inline __m256 load8(const void *row, int64_t d, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + d);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Dimensions the SIMD tile routines take at a time: they serve head_dim % SIMD_DIMS == 0. */
+#define SIMD_DIMS 32
+
+/* tile_scores_portable for head_dim % 32 == 0 with AVX2 + FMA: per query head and 8 rows of the
+ * tile at a time, 32 dims (4 registers) of the query against each row into 8 accumulators, reduced
+ * together (sum_lanes8) and stored as one vector. Rows past n repeat row n - 1 (as in the AVX-512
+ * version); bf16 rows are widened in the register. */
+static inline void tile_scores_simd(const float *q, const void *k, int64_t rs, int64_t n,
+                                    int64_t group, int64_t head_dim, float softcap, float *s,
+                                    int64_t s_stride, const Upcoming *next, const int bf16) {
+    const int64_t row_bytes = rs * (bf16 ? 2 : 4);
+    const char *rows[TILE];
+    for (int t = 0; t < TILE; t++) rows[t] = (const char *)k + (t < n ? t : n - 1) * row_bytes;
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * head_dim;
+        const uint32_t mine = prefetch_rows(g, group);
+        for (int t0 = 0; t0 < n; t0 += 8) {
+            __m256 acc[8];
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 32) {
+                __m256 qd[4];
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) qd[c] = _mm256_loadu_ps(qg + d + 8 * c);
+#pragma GCC unroll 8
+                for (int t = 0; t < 8; t++) {
+#pragma GCC unroll 4
+                    for (int c = 0; c < 4; c++)
+                        acc[t] = _mm256_fmadd_ps(qd[c], load8(rows[t0 + t], d + 8 * c, bf16),
+                                                 acc[t]);
+                    if (d == 0 && (mine >> (t0 + t) & 1)) prefetch_row(next, t0 + t);
+                }
+            }
+            _mm256_storeu_ps(s + g * s_stride + t0, sum_lanes8(acc));
+        }
+        if (softcap > 0.0f) cap_scores(s + g * s_stride, n, softcap);
+    }
+}
+
+/* Query heads whose outputs tile_values_simd keeps in registers at once (2 registers each). */
+#define VALUE_HEADS 4
+
+/* tile_values_portable for head_dim % 32 == 0 with AVX2 + FMA: per 16 dims, each V row is loaded
+ * once (2 registers) for up to VALUE_HEADS query heads of the group, whose outputs stay in
+ * registers for the whole tile. */
+static inline void tile_values_simd(const float *w, int64_t w_stride, const void *v, int64_t rs,
+                                    int64_t n, int64_t group, int64_t head_dim, float *out,
+                                    const Upcoming *next, const int bf16) {
+    const int64_t row_bytes = rs * (bf16 ? 2 : 4);
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        for (int64_t g0 = 0; g0 < group; g0 += VALUE_HEADS) {
+            const int64_t heads = group - g0 < VALUE_HEADS ? group - g0 : VALUE_HEADS;
+            __m256 od[VALUE_HEADS][2];
+#pragma GCC unroll 4
+            for (int g = 0; g < VALUE_HEADS; g++)
+#pragma GCC unroll 2
+                for (int c = 0; c < 2; c++)
+                    od[g][c] = g < heads ? _mm256_loadu_ps(out + (g0 + g) * head_dim + d + 8 * c)
+                                         : _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const char *row = (const char *)v + t * row_bytes;
+                if (d == 0 && g0 == 0) prefetch_row(next, t);
+                const __m256 vd[2] = {load8(row, d, bf16), load8(row, d + 8, bf16)};
+#pragma GCC unroll 4
+                for (int g = 0; g < VALUE_HEADS; g++) {
+                    if (g >= heads) break;
+                    const __m256 wt = _mm256_set1_ps(w[(g0 + g) * w_stride + t]);
+#pragma GCC unroll 2
+                    for (int c = 0; c < 2; c++) od[g][c] = _mm256_fmadd_ps(wt, vd[c], od[g][c]);
+                }
+            }
+#pragma GCC unroll 4
+            for (int g = 0; g < VALUE_HEADS; g++)
+#pragma GCC unroll 2
+                for (int c = 0; c < 2; c++)
+                    if (g < heads) _mm256_storeu_ps(out + (g0 + g) * head_dim + d + 8 * c, od[g][c]);
+        }
+    }
+}
 #endif
 
-/* Whether the AVX-512 tile routines serve this head_dim, which also read bf16 rows themselves (the
+/* Whether the SIMD tile routines serve this head_dim, which also read bf16 rows themselves (the
  * portable ones need them widened to fp32 first). */
-static inline int avx512_tiles(int64_t head_dim) {
-#ifdef __AVX512F__
-    return head_dim % 64 == 0;
+static inline int simd_tiles(int64_t head_dim) {
+#ifdef SIMD_DIMS
+    return head_dim % SIMD_DIMS == 0;
 #else
     (void)head_dim;
     return 0;
@@ -325,16 +425,16 @@ static inline int avx512_tiles(int64_t head_dim) {
 }
 
 /* The scores routine for this head_dim on this CPU; k rows hold bf16 when bf16 (only where
- * avx512_tiles), else fp32. */
+ * simd_tiles), else fp32. */
 static void tile_scores(const float *q, const void *k, int64_t rs, int64_t n, int64_t group,
                         int64_t head_dim, float softcap, float *s, int64_t s_stride,
                         const Upcoming *next, int bf16) {
-#ifdef __AVX512F__
-    if (avx512_tiles(head_dim)) { /* one copy per element type, the branch out of the loops */
+#ifdef SIMD_DIMS
+    if (simd_tiles(head_dim)) { /* one copy per element type, the branch out of the loops */
         if (bf16)
-            tile_scores_avx512(q, k, rs, n, group, head_dim, softcap, s, s_stride, next, 1);
+            tile_scores_simd(q, k, rs, n, group, head_dim, softcap, s, s_stride, next, 1);
         else
-            tile_scores_avx512(q, k, rs, n, group, head_dim, softcap, s, s_stride, next, 0);
+            tile_scores_simd(q, k, rs, n, group, head_dim, softcap, s, s_stride, next, 0);
         return;
     }
 #endif
@@ -345,12 +445,12 @@ static void tile_scores(const float *q, const void *k, int64_t rs, int64_t n, in
 static void tile_values(const float *w, int64_t w_stride, const void *v, int64_t rs, int64_t n,
                         int64_t group, int64_t head_dim, float *out, const Upcoming *next,
                         int bf16) {
-#ifdef __AVX512F__
-    if (avx512_tiles(head_dim)) {
+#ifdef SIMD_DIMS
+    if (simd_tiles(head_dim)) {
         if (bf16)
-            tile_values_avx512(w, w_stride, v, rs, n, group, head_dim, out, next, 1);
+            tile_values_simd(w, w_stride, v, rs, n, group, head_dim, out, next, 1);
         else
-            tile_values_avx512(w, w_stride, v, rs, n, group, head_dim, out, next, 0);
+            tile_values_simd(w, w_stride, v, rs, n, group, head_dim, out, next, 0);
         return;
     }
 #endif
@@ -452,7 +552,7 @@ static void attend_sequence(const DecodeStep *step, int64_t b, const void *row, 
         }
     }
     memset(acc, 0, (size_t)(q_heads * head_dim) * sizeof(float));
-    const int widen = k_pool->bf16 && !avx512_tiles(head_dim); /* bf16 tiles to fp32 copies */
+    const int widen = k_pool->bf16 && !simd_tiles(head_dim); /* bf16 tiles to fp32 copies */
     const int64_t tile_element = widen ? 4 : (k_pool->bf16 ? 2 : 4);
     const int bf16_rows = k_pool->bf16 && !widen;
     /* A chunk of up to CHUNK keys at a time: the scores of all its tiles (K rows), the softmax
@@ -591,8 +691,10 @@ static void spin_barrier(int *arrived, int team) {
     __atomic_add_fetch(arrived, 1, __ATOMIC_ACQ_REL);
     for (int spins = 0; __atomic_load_n(arrived, __ATOMIC_ACQUIRE) < team; spins++) {
         if (spins < BARRIER_SPINS) {
-#ifdef __AVX512F__
+#if defined(__x86_64__) || defined(__i386__)
             _mm_pause();
+#else
+            __asm__ __volatile__("" ::: "memory"); /* re-read `arrived`, as a pause would */
 #endif
         } else {
             const struct timespec nap = {0, 20000};

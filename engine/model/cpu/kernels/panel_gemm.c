@@ -7,13 +7,15 @@
  * and a plain-weight GEMV at one row; from a few hundred rows on oneDNN's blocking wins again, and
  * the caller switches back. An MLP's [gate; up] weight packed in pairs (below) gets
  * silu(gate) * up applied on the way out, sparing a pass over the GEMM's output (figures:
- * docs/PERFORMANCE.md#panel-gemm). AVX-512 only: elsewhere panel_gemm_available() is 0 and the
- * caller keeps oneDNN. */
+ * docs/PERFORMANCE.md#panel-gemm). Built for AVX-512, or for AVX2 + FMA, whose 16 registers hold
+ * a panel's accumulators for fewer rows and columns at a time (passes over parts of the panel,
+ * below); elsewhere panel_gemm_available() is 0 and the caller keeps oneDNN. */
 #include <stdint.h>
 
 #include "fast_exp.h"
 #include "panel_gemm.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PANEL_GEMM_SIMD
 #include <immintrin.h>
 #endif
 
@@ -22,7 +24,7 @@
 #define PREFETCH_AHEAD 8 /* panel rows (256 bytes each) */
 
 int panel_gemm_available(void) {
-#ifdef __AVX512F__
+#ifdef PANEL_GEMM_SIMD
     return 1;
 #else
     return 0;
@@ -146,6 +148,121 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                                   _mm512_loadu_ps(act + 16 * c));
     }
 }
+#elif defined(PANEL_GEMM_SIMD) /* AVX2 + FMA */
+#define VECTORS (PANEL / 8) /* 8-lane vectors per panel row */
+
+/* Where a panel's eight 8-lane vectors go: output columns, store masks and bias. */
+typedef struct {
+    int64_t col[VECTORS];
+    __m256i mask[VECTORS];
+    __m256 bias[VECTORS];
+} PanelOut;
+
+static PanelOut panel_out(int64_t p, int64_t half, int64_t n, const float *bias) {
+    PanelOut out;
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int c = 0; c < VECTORS; c++) {
+        int64_t left;
+        out.col[c] = lane_column(p, 8 * c, half, n, &left);
+        const int live = left >= 8 ? 8 : left <= 0 ? 0 : (int)left;
+        out.mask[c] = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), lanes);
+        out.bias[c] = bias ? _mm256_maskload_ps(bias + out.col[c], out.mask[c])
+                           : _mm256_setzero_ps();
+    }
+    return out;
+}
+
+/* Float offset in a panel row of vector j (of `width` vectors) of pass s over the panel: half
+ * from the gate lanes [0, 32) and half from the up lanes of the same units, so that a paired
+ * panel's pass holds both operands of silu(gate) * up. */
+static inline int vector_offset(int s, int j, const int width) {
+    const int pairs = width / 2, unit = s * pairs + (j < pairs ? j : j - pairs);
+    return (j < pairs ? 0 : HALF_PANEL) + 8 * unit;
+}
+
+/* A pass's sums acc[r][j] (vector j at float offset off[j] of the panel row) plus bias, stored to y
+ * (row stride ldy), or with gated silu(gate) * up at the gate columns. Not inlined: inlined, the
+ * compiler kept its masks in registers across the pass's loop and spilled an accumulator there. */
+static __attribute__((noinline)) void store_pass(__m256 acc[ROWS][VECTORS], const int *off,
+                                                 int rows, int width, float *y, int64_t ldy,
+                                                 const PanelOut *out, int gated) {
+    for (int r = 0; r < rows; r++) {
+        if (!gated) {
+            for (int j = 0; j < width; j++) {
+                const int c = off[j] / 8;
+                _mm256_maskstore_ps(y + r * ldy + out->col[c], out->mask[c],
+                                    _mm256_add_ps(acc[r][j], out->bias[c]));
+            }
+            continue;
+        }
+        float gate[HALF_PANEL], up[HALF_PANEL], act[HALF_PANEL];
+        const int pairs = width / 2;
+        for (int j = 0; j < pairs; j++) {
+            const int g = off[j] / 8, u = off[j + pairs] / 8;
+            _mm256_storeu_ps(gate + 8 * j, _mm256_add_ps(acc[r][j], out->bias[g]));
+            _mm256_storeu_ps(up + 8 * j, _mm256_add_ps(acc[r][j + pairs], out->bias[u]));
+        }
+#pragma omp simd
+        for (int j = 0; j < 8 * pairs; j++) act[j] = silu(gate[j]) * up[j];
+        for (int j = 0; j < pairs; j++) {
+            const int g = off[j] / 8;
+            _mm256_maskstore_ps(y + r * ldy + out->col[g], out->mask[g],
+                                _mm256_loadu_ps(act + 8 * j));
+        }
+    }
+}
+
+/* panel_rows' work on the `width` vectors of pass s (8 / width passes cover the panel) for rows
+ * [0, rows): rows x width <= 12 accumulators, which with the weight vectors and the broadcast
+ * input fit AVX2's 16 registers. Prefetch as in the AVX-512 code, the lines this pass reads. */
+static inline __attribute__((always_inline)) void panel_pass(const float *x, int64_t k,
+                                                             const float *panel, float *y,
+                                                             int64_t ldy, const PanelOut *out,
+                                                             int gated, const int rows,
+                                                             const int width, const int s) {
+    int off[VECTORS];
+    __m256 acc[ROWS][VECTORS], sums[ROWS][VECTORS];
+#pragma GCC unroll 8
+    for (int j = 0; j < width; j++) off[j] = vector_offset(s, j, width);
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 8
+        for (int j = 0; j < width; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        const float *row = panel + i * PANEL;
+        if (rows >= 2 && s == 0) /* the whole panel row: the later passes find it in L2 */
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                _mm_prefetch((const char *)(row + PREFETCH_AHEAD * PANEL + 16 * c), _MM_HINT_T0);
+        __m256 w[VECTORS];
+#pragma GCC unroll 8
+        for (int j = 0; j < width; j++) w[j] = _mm256_loadu_ps(row + off[j]);
+#pragma GCC unroll 6
+        for (int r = 0; r < rows; r++) {
+            const __m256 xr = _mm256_broadcast_ss(x + r * k + i);
+#pragma GCC unroll 8
+            for (int j = 0; j < width; j++) acc[r][j] = _mm256_fmadd_ps(xr, w[j], acc[r][j]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 8
+        for (int j = 0; j < width; j++) sums[r][j] = acc[r][j];
+    store_pass(sums, off, rows, width, y, ldy, out, gated);
+}
+
+/* Rows [0, rows) of x times a panel, as the AVX-512 panel_rows: one row in one pass over the whole
+ * panel (8 accumulators), up to 3 rows in two passes of 4 vectors, more in four passes of 2 (the
+ * 6 x 16 tile of BLIS's Haswell kernel). */
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t k,
+                                                             const float *panel, float *y,
+                                                             int64_t ldy, const PanelOut *out,
+                                                             int gated, const int rows) {
+    const int width = rows == 1 ? 8 : rows <= 3 ? 4 : 2;
+#pragma GCC unroll 4
+    for (int s = 0; s < VECTORS / width; s++)
+        panel_pass(x, k, panel, y, ldy, out, gated, rows, width, s);
+}
 #endif
 
 /* y = x [m, k] . W^T (+ bias [n] when given), W [n, k] packed by panel_gemm_pack with `half`:
@@ -154,7 +271,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
  * end: the caller synchronises); outside a parallel region the caller's thread does them all. */
 void panel_gemm_shared(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                        int64_t half, int gated, const float *bias, float *y) {
-#ifdef __AVX512F__
+#ifdef PANEL_GEMM_SIMD
     const int64_t panels = panel_count(n, half);
     const int64_t ldy = gated ? half : n;
 #pragma omp for schedule(dynamic) nowait

@@ -1,0 +1,318 @@
+/* Linear layers on narrow weights: y = x W^T + b with W in blocks of 32 along the input dimension,
+ * each block one or two fp32 scales and 32 integers (engine/model/cpu/quant_formats.py):
+ *
+ *   int8 (QUANT_INT8): w = d * q, q in [-128, 127]      GGUF's Q8_0 blocks, or quantised at load
+ *   int4 (QUANT_INT4): w = d * q + m, q in [0, 15]      GGUF's Q4_1 (and Q4_0: m = -8 d) blocks
+ *
+ * quant_pack turns the column records of quant_formats.py into groups of GROUP = 8 interleaved
+ * output columns: per group and block, the 8 columns' scales, then the integers in quads of 4
+ * consecutive inputs, one 32-bit lane per column. One vpdpbusd of such a vector against 4
+ * activations broadcast then adds 4 products to each of 8 columns, so the integer sums of a block
+ * come out per column without any horizontal reduction, and the scales cost one conversion and one
+ * multiply-add per 8 columns and block (on column-major records they cost that per column: 3x
+ * slower at 16-64 rows, docs/PERFORMANCE.md#narrow-weights). The activations are quantised per
+ * row and block to int8 on the way in (d_x = max|x| / 127), so a block's dot product is an
+ * integer one: d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for int4). Up to ROWS input rows share
+ * each weight load. The dots run on vpdpbusd (AVX512-VNNI on 256-bit vectors, or AVX-VNNI),
+ * AVX2 (vpmaddubsw + vpmaddwd) or plain C, as the build's target allows (kernels/build.py). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QUANT_SIMD 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QUANT_VNNI 1
+#define DPBUSD _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define QUANT_VNNI 1
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+#endif
+
+#define BLOCK 32
+#define GROUP 8
+#define QUADS (BLOCK / 4)
+#define ROWS 4
+#define GROUPS_PER_TILE 2
+
+enum { QUANT_INT8 = 0, QUANT_INT4 = 1 };
+
+/* Which integer dot product this build runs. */
+const char *quant_gemm_isa(void) {
+#if defined(QUANT_VNNI)
+    return "vnni";
+#elif defined(QUANT_SIMD)
+    return "avx2";
+#else
+    return "generic";
+#endif
+}
+
+/* Bytes of one group's block: int8 d [8] f32, c [8] i32 (128 * sum(q): unsigned activations'
+ * correction), q [8 quads][8 columns][4]; int4 d [8], m [8] f32, nibbles [4][8 columns][4] whose
+ * low nibbles are quad j and high nibbles quad j + 4. */
+static int64_t group_block_bytes(int format) {
+    return format == QUANT_INT4 ? 64 + BLOCK * GROUP / 2 : 64 + BLOCK * GROUP;
+}
+
+static int64_t groups_of(int64_t n) { return (n + GROUP - 1) / GROUP; }
+
+int64_t quant_packed_bytes(int format, int64_t n, int64_t k) {
+    return groups_of(n) * (k / BLOCK) * group_block_bytes(format);
+}
+
+/* Element i of a column record's block: int4 nibbles (low: elements 0-15, high: 16-31). */
+static inline int record_nibble(const uint8_t *nibbles, int i) {
+    return i < 16 ? nibbles[i] & 0x0F : nibbles[i - 16] >> 4;
+}
+
+/* records [n][record bytes] (quant_formats.py's column records) -> packed [groups][nb][block];
+ * columns past n pack as zeros. */
+void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_t *packed) {
+    const int64_t nb = k / BLOCK, gb = group_block_bytes(format);
+    const int64_t record = format == QUANT_INT4 ? nb * (8 + BLOCK / 2) : nb * (4 + BLOCK);
+    memset(packed, 0, (size_t)quant_packed_bytes(format, n, k));
+    for (int64_t g = 0; g < groups_of(n); g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = packed + (g * nb + b) * gb;
+            float *scales = (float *)dst;
+            for (int c = 0; c < GROUP && g * GROUP + c < n; c++) {
+                const uint8_t *rec = records + (g * GROUP + c) * record;
+                const float *rd = (const float *)rec;
+                scales[c] = rd[b];
+                if (format == QUANT_INT4) {
+                    scales[GROUP + c] = rd[nb + b];
+                    const uint8_t *nibbles = rec + nb * 8 + b * (BLOCK / 2);
+                    for (int j = 0; j < QUADS / 2; j++)
+                        for (int t = 0; t < 4; t++)
+                            dst[64 + j * 32 + c * 4 + t] =
+                                (uint8_t)(record_nibble(nibbles, 4 * j + t) |
+                                          record_nibble(nibbles, 16 + 4 * j + t) << 4);
+                } else {
+                    const int8_t *q = (const int8_t *)(rec + nb * 4) + b * BLOCK;
+                    int32_t sum = 0;
+                    for (int i = 0; i < BLOCK; i++) sum += q[i];
+                    ((int32_t *)dst)[GROUP + c] = 128 * sum;
+                    for (int j = 0; j < QUADS; j++)
+                        memcpy(dst + 64 + j * 32 + c * 4, q + 4 * j, 4);
+                }
+            }
+        }
+}
+
+/* One row of activations quantised: q [k] int8 and u [k] = q + 128 as unsigned bytes, d [nb]
+ * scales, s [nb] = d * sum(q) per block. */
+typedef struct {
+    int8_t *q;
+    uint8_t *u;
+    float *d;
+    float *s;
+} QuantRow;
+
+/* One block of 32 activations to int8: q = x / d rounded half to even, d = max|x| / 127; returns
+ * d and the sum of q. */
+static float quantize_block(const float *x, int8_t *q, int *sum) {
+    float amax = 0.0f;
+    for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float d = amax / 127.0f;
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    *sum = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        q[i] = (int8_t)lrintf(x[i] * inv);
+        *sum += q[i];
+    }
+    return d;
+}
+
+static void quantize_row(const float *x, int64_t k, QuantRow row) {
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        int sum;
+        row.d[b] = quantize_block(x + b * BLOCK, row.q + b * BLOCK, &sum);
+        row.s[b] = row.d[b] * (float)sum;
+    }
+    for (int64_t i = 0; i < k; i++) row.u[i] = (uint8_t)(row.q[i] ^ 0x80);
+}
+
+static inline int32_t quad(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#ifdef QUANT_SIMD
+/* acc + the sums of four u8 x s8 products per 32-bit lane (AVX2: the pairs fit int16 where
+ * u <= 128 or |s| <= 127 and u <= 15, which the callers keep to). */
+static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#ifdef QUANT_VNNI
+    return DPBUSD(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Rows [0, rows) of x times one packed group (its nb blocks from `group`): out [rows][8]. */
+static inline __attribute__((always_inline)) void group_rows(int format, const uint8_t *group,
+                                                             int64_t nb, const QuantRow *x,
+                                                             float out[ROWS][GROUP],
+                                                             const int rows) {
+    const int64_t gb = group_block_bytes(format);
+    __m256 acc[ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = group + b * gb;
+        const __m256 wd = _mm256_loadu_ps((const float *)blk);
+        __m256i dots[ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) dots[r] = _mm256_setzero_si256();
+        if (format == QUANT_INT4) {
+            const __m256i low = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+            for (int j = 0; j < QUADS / 2; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * j));
+                const __m256i lo = _mm256_and_si256(v, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xq = x[r].q + b * BLOCK;
+                    dots[r] = dot4(dots[r], lo, _mm256_set1_epi32(quad(xq + 4 * j)));
+                    dots[r] = dot4(dots[r], hi, _mm256_set1_epi32(quad(xq + 16 + 4 * j)));
+                }
+            }
+            const __m256 wm = _mm256_loadu_ps((const float *)(blk + 32));
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++) {
+                const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(x[r].d[b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].s[b]), acc[r]);
+            }
+            continue;
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * j));
+#ifdef QUANT_VNNI
+            /* (q_x + 128) q_w, corrected by 128 sum(q_w) below: exact in 32 bits */
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++)
+                dots[r] = dot4(dots[r], _mm256_set1_epi32(quad(x[r].u + b * BLOCK + 4 * j)), w);
+#else
+            /* |q_w| (q_x sign(q_w)): -128 reads as 128 unsigned, still right */
+            const __m256i magnitude = _mm256_abs_epi8(w);
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++) {
+                const __m256i xq = _mm256_set1_epi32(quad(x[r].q + b * BLOCK + 4 * j));
+                dots[r] = dot4(dots[r], magnitude, _mm256_sign_epi8(xq, w));
+            }
+#endif
+        }
+#ifdef QUANT_VNNI
+        const __m256i correction = _mm256_loadu_si256((const __m256i *)(blk + 32));
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) dots[r] = _mm256_sub_epi32(dots[r], correction);
+#endif
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(x[r].d[b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r], acc[r]);
+}
+#else
+static void group_rows(int format, const uint8_t *group, int64_t nb, const QuantRow *x,
+                       float out[ROWS][GROUP], const int rows) {
+    const int64_t gb = group_block_bytes(format);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < GROUP; c++) out[r][c] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = group + b * gb;
+        const float *wd = (const float *)blk;
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xq = x[r].q + b * BLOCK;
+            for (int c = 0; c < GROUP; c++) {
+                int dot = 0;
+                if (format == QUANT_INT4) {
+                    for (int j = 0; j < QUADS / 2; j++)
+                        for (int t = 0; t < 4; t++) {
+                            const uint8_t v = blk[64 + j * 32 + c * 4 + t];
+                            dot += (v & 0x0F) * xq[4 * j + t] + (v >> 4) * xq[16 + 4 * j + t];
+                        }
+                    out[r][c] += wd[GROUP + c] * x[r].s[b];
+                } else {
+                    for (int j = 0; j < QUADS; j++)
+                        for (int t = 0; t < 4; t++)
+                            dot += (int8_t)blk[64 + j * 32 + c * 4 + t] * xq[4 * j + t];
+                }
+                out[r][c] += wd[c] * x[r].d[b] * (float)dot;
+            }
+        }
+    }
+}
+#endif
+
+/* Groups [g0, g1) for rows [r0, r0 + rows) into y [m, n]. */
+static void group_tile(int format, const uint8_t *packed, int64_t n, int64_t k, int64_t g0,
+                       int64_t g1, const QuantRow *x, int64_t r0, int rows, const float *bias,
+                       float *y) {
+    const int64_t nb = k / BLOCK;
+    for (int64_t g = g0; g < g1; g++) {
+        float out[ROWS][GROUP];
+        const uint8_t *group = packed + g * nb * group_block_bytes(format);
+        switch (rows) { /* the row count a constant in each copy */
+        case 4: group_rows(format, group, nb, x + r0, out, 4); break;
+        case 3: group_rows(format, group, nb, x + r0, out, 3); break;
+        case 2: group_rows(format, group, nb, x + r0, out, 2); break;
+        default: group_rows(format, group, nb, x + r0, out, 1); break;
+        }
+        const int64_t c0 = g * GROUP, width = n - c0 < GROUP ? n - c0 : GROUP;
+        for (int r = 0; r < rows; r++)
+            for (int64_t c = 0; c < width; c++)
+                y[(r0 + r) * n + c0 + c] = out[r][c] + (bias ? bias[c0 + c] : 0.0f);
+    }
+}
+
+/* y [m, n] = x [m, k] . W^T (+ bias [n] when given), W packed by quant_pack for k inputs
+ * (k % 32 == 0), on nthreads threads. Returns 0, or -1 when out of memory or k is not a multiple
+ * of the block. */
+int quant_gemm(int format, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
+               const float *bias, float *y, int nthreads) {
+    if (k % BLOCK || m <= 0) return m == 0 ? 0 : -1;
+    const int64_t nb = k / BLOCK;
+    /* the activations quantised: q and u [m, k] bytes each, then d and s [m, nb] floats each */
+    uint8_t *scratch = malloc((size_t)(2 * m * k + 2 * m * nb * (int64_t)sizeof(float)));
+    QuantRow *rows = malloc((size_t)m * sizeof(QuantRow));
+    if (!scratch || !rows) {
+        free(scratch);
+        free(rows);
+        return -1;
+    }
+    float *scales = (float *)(scratch + 2 * m * k);
+    for (int64_t r = 0; r < m; r++)
+        rows[r] = (QuantRow){(int8_t *)scratch + r * k, scratch + (m + r) * k, scales + r * nb,
+                             scales + (m + r) * nb};
+    const int64_t groups = groups_of(n);
+    const int64_t tiles = (groups + GROUPS_PER_TILE - 1) / GROUPS_PER_TILE;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tiles > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, rows[r]);
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t g0 = t * GROUPS_PER_TILE;
+            const int64_t g1 = g0 + GROUPS_PER_TILE < groups ? g0 + GROUPS_PER_TILE : groups;
+            for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+                const int rows_left = m - r0 < ROWS ? (int)(m - r0) : ROWS;
+                group_tile(format, packed, n, k, g0, g1, rows, r0, rows_left, bias, y);
+            }
+        }
+    }
+    free(rows);
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,80 @@
+"""Linear layers on narrow weights in C (quant_gemm.c): `pack` lays a weight's column records
+(engine.model.cpu.quant_formats) out in the kernel's groups of 8 interleaved columns once, `gemm`
+runs ``x W^T + b`` on that, quantising the activations to int8 on the way in. The same
+kernel serves every row count: prefill-sized inputs too (it beat dequantising into an fp32 GEMM
+2x at 64-512 rows: docs/PERFORMANCE.md#narrow-weights)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.model.cpu.kernels.build import load
+from engine.model.cpu.quant_formats import QuantizedWeight
+
+# The formats' codes in quant_gemm.c.
+FORMAT_CODES = {"int8": 0, "int4": 1}
+
+_typed: set[int] = set()  # libraries (by handle) whose entry points are typed
+
+
+def library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library (of ``isa``, see build.load) with this module's entry points typed."""
+    lib = load(isa)
+    if lib is not None and lib._handle not in _typed:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.quant_packed_bytes.argtypes = [ctypes.c_int, i64, i64]
+        lib.quant_packed_bytes.restype = i64
+        lib.quant_pack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+        lib.quant_pack.restype = None
+        lib.quant_gemm_isa.argtypes = []
+        lib.quant_gemm_isa.restype = ctypes.c_char_p
+        lib.quant_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+        lib.quant_gemm.restype = ctypes.c_int
+        _typed.add(lib._handle)
+    return lib
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """The integer dot product ``lib`` runs: vnni, avx2 or generic."""
+    return lib.quant_gemm_isa().decode()
+
+
+def pack(lib: ctypes.CDLL, weight: QuantizedWeight) -> torch.Tensor:
+    """``weight`` in the kernel's layout (uint8, flat)."""
+    code, n, k = FORMAT_CODES[weight.fmt], weight.out_features, weight.in_features
+    packed = torch.empty(lib.quant_packed_bytes(code, n, k), dtype=torch.uint8)
+    lib.quant_pack(code, weight.records.contiguous().data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def gemm(
+    lib: ctypes.CDLL,
+    fmt: str,
+    rows: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    threads: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``rows`` [M, K] (fp32, contiguous) times the [n, K] weight `pack` made ``packed`` from,
+    plus ``bias`` [n] (fp32) when given: [M, n] fp32, into ``out`` when given."""
+    m, k = rows.shape
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.float32)
+    status = lib.quant_gemm(
+        FORMAT_CODES[fmt],
+        rows.data_ptr(),
+        m,
+        k,
+        packed.data_ptr(),
+        n,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        threads,
+    )
+    if status:
+        raise MemoryError(f"quant_gemm could not allocate its scratch for {m} x {k} activations")
+    return out

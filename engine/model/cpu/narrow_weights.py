@@ -1,0 +1,123 @@
+"""``--quantization`` on the CPU: which weights go narrow, and the load-time check that the narrow
+model still predicts what the fp32 one does (engine.model.cpu.quantize does the replacing)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.model.cpu import narrow_cache
+from engine.model.cpu.kernels import quant_gemm
+from engine.model.cpu.quantize import (
+    PROBE_MIN_TOP1,
+    QuantizedModel,
+    compare_probe,
+    probe_logits,
+    quantize_model,
+)
+from engine.model.park.host_memory import trim_heap
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+PROBE_TOKENS = 64
+
+
+def gguf_source(config: EngineConfig) -> Path | None:
+    """The GGUF file the model was loaded from, if it was."""
+    path = Path(config.model).expanduser()
+    if config.gguf_file:
+        return path / config.gguf_file
+    return path if path.suffix.lower() == ".gguf" else None
+
+
+def check_quantization(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse an explicit int8 / int4 where it cannot run (before the model loads)."""
+    if config.quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"unknown quantization {config.quantization!r}: use {', '.join(QUANTIZATIONS)}",
+            param="quantization",
+        )
+    if config.quantization not in ("int8", "int4"):
+        return
+    if device.type != "cpu":
+        raise ModelLoadError(
+            f"--quantization {config.quantization} runs on CPU only; on {device.type} the "
+            "supported formats are none and auto (the weights in --dtype float16 / bfloat16)",
+            param="quantization",
+        )
+    if dtype != torch.float32:
+        raise ModelLoadError(
+            f"--quantization {config.quantization} computes in float32: use --dtype float32 "
+            f"(or auto) instead of {str(dtype).removeprefix('torch.')}",
+            param="quantization",
+        )
+
+
+def _mode(config: EngineConfig, dtype: torch.dtype) -> str | None:
+    """quantize_model's mode for this engine, or None for dense weights."""
+    if config.quantization in ("int8", "int4"):
+        return config.quantization
+    if config.quantization == "auto" and dtype == torch.float32 and gguf_source(config):
+        return "gguf"
+    return None
+
+
+def narrow_weights(
+    model: nn.Module, dtype: torch.dtype, config: EngineConfig, source: Path | None = None
+) -> QuantizedModel | None:
+    """Put ``model``'s weights on the formats ``config.quantization`` asks for, checked on a
+    probe against the dense model; None when it keeps dense weights. ``source``: the folder the
+    model was loaded from, whose narrow weights are cached (engine.model.cpu.narrow_cache)."""
+    mode = _mode(config, dtype)
+    if mode is None:
+        return None
+    lib = quant_gemm.library()
+    if lib is None:
+        if mode == "gguf":
+            log.warning("narrow-weight kernels unavailable: the GGUF's blocks load as float32")
+            return None
+        raise ModelLoadError(
+            f"--quantization {mode} needs the engine's C kernels, which could not be built "
+            "(see the warning above); use --quantization none",
+            param="quantization",
+        )
+    started = time.monotonic()
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(vocab, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(0))
+    reference = probe_logits(model, ids)
+    cache = narrow_cache.cache_path(source, mode) if source else None
+    report = quantize_model(model, mode, gguf_source(config), lib, cache)
+    trim_heap()  # the dense weights just freed, back to the OS
+    if not report.native and not report.quantized:
+        return None
+    probe = compare_probe(reference, probe_logits(model, ids))
+    sizes = ", ".join(
+        f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in report.bytes_by_format.items()
+    )
+    if not probe.ok:
+        raise ModelLoadError(
+            f"--quantization {config.quantization}: the narrow model's top token agrees with the "
+            f"dense model's on {probe.top1_agreement:.0%} of the probe (at least "
+            f"{PROBE_MIN_TOP1:.0%} needed); use --quantization none",
+            param="quantization",
+        )
+    log.info(
+        "narrow weights (%s kernels): %d from the file's blocks, %d quantised%s; %s; probe "
+        "top-1 agreement %.0f%%, max |logit diff| %.1e of the largest; %.1fs",
+        quant_gemm.isa(lib),
+        report.native,
+        report.quantized,
+        " (both read from the cache)" if report.cached else " at load",
+        sizes,
+        100 * probe.top1_agreement,
+        probe.max_error,
+        time.monotonic() - started,
+    )
+    return report

@@ -1,0 +1,128 @@
+"""The narrow-weight GEMM (kernels/quant_gemm.c), every instruction-set build this CPU runs,
+against a torch reference that rounds the activations as the kernel's contract says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.cpu import quant_formats
+from engine.model.cpu.kernels import quant_gemm
+from engine.model.cpu.quant_formats import BLOCK, QuantizedWeight, quantize
+
+
+def _runnable_builds() -> list[str]:
+    """The kernel builds whose instructions this CPU has (a build asked for an instruction set the
+    CPU lacks comes back as another one)."""
+    names = []
+    for isa in ("avx512", "avx2", "generic"):
+        lib = quant_gemm.library(isa)
+        if lib is not None and lib.kernels_isa().decode() == isa:
+            names.append(isa)
+    return names
+
+
+BUILDS = _runnable_builds()
+pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler here")
+
+
+def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's int8 activations: per row and block of 32, d = max|x| / 127 and q = x / d
+    rounded half to even, in fp32 as the C code computes them. (q [M, K], d [M, K / 32])"""
+    blocks = x.view(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(blocks * inverse[..., None]).view_as(x), d
+
+
+def run(
+    isa: str, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None, threads: int = 2
+) -> torch.Tensor:
+    """The kernel of build ``isa`` on ``weight`` packed by that build."""
+    lib = quant_gemm.library(isa)
+    packed = quant_gemm.pack(lib, weight)
+    return quant_gemm.gemm(lib, weight.fmt, x, packed, weight.out_features, bias, threads)
+
+
+def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    q, d = quantized_activations(x)
+    x_rounded = (q.view(x.shape[0], -1, BLOCK) * d[..., None]).view_as(x)
+    y = x_rounded.double() @ weight.dequantize().double().T
+    return (y if bias is None else y + bias.double()).float()
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("fmt", quant_formats.FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])  # every remainder of the 4-row groups
+# widths: one column, groups of 8 cut short, several tiles
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (17, 64), (33, 96), (130, 576)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_quant_gemm_matches_the_torch_reference(isa, fmt, rows, out_features, in_features, bias):
+    """Ragged output widths (groups of 8 interleaved columns cut short), ragged row groups, bias
+    or not."""
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = quantize(torch.randn(out_features, in_features, generator=generator), fmt)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    out = run(isa, weight, x, b)
+    torch.testing.assert_close(out, reference(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("fmt", quant_formats.FORMATS)
+def test_prefill_sized_inputs(isa, fmt):
+    """Hundreds of rows (a prefill) on the same kernel; a slice of them gives the same rows."""
+    generator = torch.Generator().manual_seed(301)
+    weight = quantize(torch.randn(70, 576, generator=generator), fmt)
+    b = torch.randn(70, generator=generator)
+    x = torch.randn(301, 576, generator=generator)
+    out = run(isa, weight, x, b)
+    torch.testing.assert_close(out, reference(x, weight, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out[-5:], run(isa, weight, x[-5:].contiguous(), b))
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_extreme_blocks(isa):
+    """int8 weights of -128 (GGUF's Q8_0 allows it; the AVX2 dot reads |w| as unsigned), int4
+    nibbles of 0 and 15, all-zero activation blocks (scale 0) and all-zero weight blocks."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 50
+    x[1, :32] = 0.0
+    int8 = quantize(torch.randn(5, 64), "int8")
+    raw = int8.records[:, 8:].view(torch.int8)
+    raw[0], raw[1] = -128, 127
+    int8.records[2] = 0  # scale 0, q 0
+    int4 = quantize(torch.randn(5, 64), "int4")
+    int4.records[0, 16:], int4.records[1, 16:] = 0x00, 0xFF
+    for weight in (int8, int4):
+        out = run(isa, weight, x, None, threads=1)
+        torch.testing.assert_close(out, reference(x, weight, None), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", quant_formats.FORMATS)
+def test_every_build_gives_the_same_numbers(fmt):
+    """The integer dots are exact in every build: only the fp32 sums of blocks differ in order."""
+    generator = torch.Generator().manual_seed(7)
+    weight = quantize(torch.randn(96, 1536, generator=generator), fmt)
+    x = torch.randn(6, 1536, generator=generator)
+    outs = [run(isa, weight, x, None) for isa in BUILDS]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-4)
+
+
+def test_quantize_round_trips_within_half_a_step():
+    """Quantisation error per weight is at most half a step: d / 2 for both formats."""
+    weight = torch.randn(8, 128, generator=torch.Generator().manual_seed(3))
+    blocks = weight.view(8, -1, BLOCK)
+    for fmt, step in (
+        ("int8", blocks.abs().amax(-1) / 127),
+        ("int4", (blocks.amax(-1) - blocks.amin(-1)) / 15),
+    ):
+        error = (quantize(weight, fmt).dequantize() - weight).abs().view(8, -1, BLOCK)
+        assert (error <= step[..., None] / 2 * (1 + 1e-5) + 1e-7).all(), fmt
+
+
+def test_formats_reject_what_they_cannot_hold():
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize(torch.zeros(4, 48), "int8")
+    with pytest.raises(ValueError, match="unknown format"):
+        quantize(torch.zeros(4, 64), "int3")

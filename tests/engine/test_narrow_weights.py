@@ -1,0 +1,156 @@
+"""--quantization: which weights go narrow and from where, the load-time probe, the refusals, and
+the engine running on them (lean forward included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.core.llm import LLM
+from engine.core.sampling_params import SamplingParams
+from engine.errors import ModelLoadError
+from engine.model.cpu import narrow_cache
+from engine.model.cpu.fast_path import prepare_cpu_fast_path
+from engine.model.cpu.kernels import quant_gemm
+from engine.model.cpu.lean_forward import LeanLlamaForward
+from engine.model.cpu.narrow_weights import check_quantization
+from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
+from engine.model.cpu.quantize import GgufBlocks
+from engine.model.loader import load_model
+from tests.conftest import SMOLLM2_GGUF
+
+pytestmark = pytest.mark.skipif(quant_gemm.library() is None, reason="no C compiler here")
+needs_smollm2 = pytest.mark.skipif(not SMOLLM2_GGUF.exists(), reason="SmolLM2 GGUF not fetched")
+
+
+def _prepared(model: str, quantization: str):
+    config = EngineConfig(model=model, quantization=quantization, num_threads=2)
+    loaded = load_model(config)
+    return loaded, prepare_cpu_fast_path(loaded.model, loaded.device, loaded.dtype, config)
+
+
+def _linears(model: nn.Module) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, QuantizedLinear)) or type(module).__name__ in (
+            "PrepackedLinear",
+        ):
+            name = getattr(module, "fmt", type(module).__name__)
+            kinds[name] = kinds.get(name, 0) + 1
+    return kinds
+
+
+@needs_smollm2
+@pytest.mark.parametrize(
+    ("quantization", "native", "quantized", "formats"),
+    [
+        # 30 layers x 7 Q4_1 linears, the Q8_0 embedding (its tied lm_head shares the records)
+        ("auto", 211, 0, {"int4", "int8"}),
+        ("int4", 211, 0, {"int4", "int8"}),  # the vocabulary stays int8 in int4 mode
+        ("int8", 1, 210, {"int8"}),
+    ],
+)
+def test_smollm2_gguf_loads_its_own_blocks(quantization, native, quantized, formats):
+    loaded, fast = _prepared(str(SMOLLM2_GGUF), quantization)
+    report = fast.narrow
+    assert (report.native, report.quantized) == (native, quantized)
+    assert set(report.bytes_by_format) == formats
+    model = loaded.model
+    assert isinstance(model.get_input_embeddings(), QuantizedEmbedding)
+    assert isinstance(model.lm_head, QuantizedLinear)
+    embedding = model.get_input_embeddings()
+    assert model.lm_head.fmt == embedding.fmt == "int8"  # the tied table, quantised once
+    # every linear is narrow (q/k/v and gate/up fused: 4 GEMMs a layer, plus the lm_head)
+    assert sum(_linears(model).values()) == 30 * 4 + 1
+    assert LeanLlamaForward.build(model) is not None
+
+
+@needs_smollm2
+def test_gguf_blocks_must_reproduce_the_loaded_weight():
+    """A block tensor is taken only where it dequantises to the very weight transformers loaded
+    (here its q/k rows un-permuted); a weight that differs stays dense."""
+    loaded = load_model(EngineConfig(model=str(SMOLLM2_GGUF), quantization="none"))
+    blocks = GgufBlocks(SMOLLM2_GGUF, 30)
+    q = loaded.model.model.layers[3].self_attn.q_proj.weight.detach()
+    name = ["model.layers.3.self_attn.q_proj.weight"]
+    found = blocks.weight(name, q, (9, 3))
+    assert found is not None and torch.equal(found.dequantize(), q)
+    changed = q.clone()
+    changed[0, 0] += 1e-3
+    assert blocks.weight(name, changed, (9, 3)) is None
+
+
+def test_hf_folders_stay_dense_unless_asked(tiny_llama_dir):
+    loaded, fast = _prepared(str(tiny_llama_dir), "auto")
+    assert fast.narrow is None
+    for fmt in ("int8", "int4"):
+        loaded, fast = _prepared(str(tiny_llama_dir), fmt)
+        assert fast.narrow.quantized > 0 and fast.narrow.native == 0
+        assert fmt in _linears(loaded.model)
+
+
+def test_the_engine_generates_on_narrow_weights(tiny_llama_dir):
+    """The engine on int8 weights, lean forward and paged attention included, gives the tokens
+    the same narrow model gives through transformers' own forward (greedy)."""
+    llm = LLM(str(tiny_llama_dir), quantization="int8", num_threads=2)
+    runner = llm.engine.runner
+    assert runner.cpu.narrow is not None and runner.lean is not None
+    prompt = [5, 9, 17, 33, 2, 11]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    out = llm.generate([prompt], params)[0].outputs[0].token_ids
+    reference, _ = _prepared(str(tiny_llama_dir), "int8")  # the same weights, own attention
+    ids = torch.tensor([prompt])
+    expected = []
+    with torch.inference_mode():
+        for _ in range(8):
+            logits = reference.model(input_ids=ids, use_cache=False).logits
+            token = int(logits[0, -1].argmax())
+            expected.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    assert out == expected
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_narrow_formats_are_refused_where_they_cannot_run(fmt):
+    config = EngineConfig(model="unused", quantization=fmt)
+    with pytest.raises(ModelLoadError, match=r"CPU only.*supported formats are none and auto"):
+        check_quantization(config, torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(ModelLoadError, match="--dtype float32"):
+        check_quantization(config, torch.device("cpu"), torch.bfloat16)
+    for quantization in ("auto", "none"):  # the dense dtype is the format there
+        check_quantization(
+            EngineConfig(model="unused", quantization=quantization),
+            torch.device("cuda"),
+            torch.bfloat16,
+        )
+
+
+def test_narrow_weights_are_cached_per_checkpoint_and_mode(
+    tiny_llama_dir, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """The second load of a checkpoint in a mode reads the first one's choices: the same
+    weights, without quantising again; another mode or a changed checkpoint misses."""
+    monkeypatch.setenv("MODELYARD_CACHE_DIR", str(tmp_path / "cache"))
+    config = EngineConfig(model=str(tiny_llama_dir), quantization="int4", num_threads=2)
+
+    def prepared():
+        loaded = load_model(config)
+        fast = prepare_cpu_fast_path(
+            loaded.model, loaded.device, loaded.dtype, config, tiny_llama_dir
+        )
+        packed = {n: b.clone() for n, b in loaded.model.named_buffers() if n.endswith("packed")}
+        return fast.narrow, packed
+
+    first, first_packed = prepared()
+    second, second_packed = prepared()
+    assert not first.cached and second.cached
+    assert (second.native, second.quantized) == (first.native, first.quantized)
+    assert first_packed.keys() == second_packed.keys() and first_packed
+    assert all(torch.equal(first_packed[n], second_packed[n]) for n in first_packed)
+    assert narrow_cache.cache_path(tiny_llama_dir, "int4") != narrow_cache.cache_path(
+        tiny_llama_dir, "int8"
+    )
+    (tiny_llama_dir / "config.json").touch()  # a changed checkpoint: another key
+    assert not prepared()[0].cached
