@@ -71,7 +71,11 @@ def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated fixed concurrencies (default 1,4,16,32,64)",
     )
     add("--rounds", type=int, default=2, help="rounds, in alternating config order (default 2)")
-    add("--num-requests", type=int, help="requests per cell (default max(16, 2 x concurrency))")
+    add(
+        "--num-requests",
+        type=int,
+        help="requests per cell, at least the concurrency (default max(16, 2 x concurrency))",
+    )
     add("--max-seconds", type=float, default=120.0, help="time bound of each cell")
     add("--output-len", type=int, default=128, help="max_tokens of every request (ignore_eos)")
     add("--input-words", type=parse_range, default=(16, 256), help="prompt words N or MIN:MAX")
@@ -156,7 +160,7 @@ def run_config(config: Config, args: argparse.Namespace, ctx: dict, rnd: int) ->
     try:
         runner.warmup(args.warmup, args.seed + 1)
         for c in args.concurrency:
-            count = args.num_requests or max(16, 2 * c)
+            count = max(args.num_requests, c) if args.num_requests else max(16, 2 * c)
             specs = cell_specs(count, args.seed, args.input_words, args.output_len, f"r{rnd}c{c}")
             run = runner.run(specs, c, args.max_seconds)
             cells[f"c{c}"] = run
