@@ -37,6 +37,7 @@
 #define QUADS (BLOCK / 4)
 #define ROWS 4
 #define GROUPS_PER_TILE 2
+#define SERIAL_QUANTIZE 32768 /* activations (m x k) up to which one thread quantises them */
 
 enum { QUANT_INT8 = 0, QUANT_INT4 = 1 };
 
@@ -298,11 +299,18 @@ int quant_gemm(int format, const float *x, int64_t m, int64_t k, const uint8_t *
                              scales + (m + r) * nb};
     const int64_t groups = groups_of(n);
     const int64_t tiles = (groups + GROUPS_PER_TILE - 1) / GROUPS_PER_TILE;
+    /* decode-sized inputs are quantised by the caller's thread before the team starts: a barrier
+       between the two loops cost more than the work (the team's threads sleep in between) */
+    const int serial_quantize = m * k <= SERIAL_QUANTIZE;
+    if (serial_quantize)
+        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, rows[r]);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tiles > 1)
     {
+        if (!serial_quantize) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, rows[r]);
-#pragma omp for schedule(dynamic)
+            for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, rows[r]);
+        }
+#pragma omp for schedule(dynamic) nowait /* the region's end is the one barrier */
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t g0 = t * GROUPS_PER_TILE;
             const int64_t g1 = g0 + GROUPS_PER_TILE < groups ? g0 + GROUPS_PER_TILE : groups;
