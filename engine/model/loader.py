@@ -36,6 +36,7 @@ from engine.file_hash import file_sha256
 from engine.model.cache_dir import cache_root
 from engine.model.cpu.linear import native_bf16
 from engine.model.cpu.narrow_weights import check_quantization
+from engine.model.model_source import split_source
 
 log = logging.getLogger(__name__)
 
@@ -78,25 +79,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             f"unknown dtype {name!r}: use auto, {', '.join(_DTYPES)}", param="dtype"
         )
     return _DTYPES[name]
-
-
-def split_source(model: str, gguf_file: str | None) -> tuple[Path, str | None]:
-    """(folder, gguf file name in it or None); ``model`` may be a folder or a .gguf file."""
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist", param="model")
-    if path.is_file():
-        if gguf_file is not None or path.suffix.lower() != ".gguf":
-            raise ModelLoadError(
-                f"model path {str(path)!r} is a file; expected a model folder or a .gguf file",
-                param="model",
-            )
-        return path.parent, path.name
-    if gguf_file is not None and not (path / gguf_file).is_file():
-        raise ModelLoadError(
-            f"GGUF file {gguf_file!r} not found in {str(path)!r}", param="gguf_file"
-        )
-    return path, gguf_file
 
 
 def _stat_key(path: Path) -> str:

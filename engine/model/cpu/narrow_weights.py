@@ -21,6 +21,7 @@ from engine.model.cpu.quantize import (
     probe_logits,
     quantize_model,
 )
+from engine.model.model_source import split_source
 from engine.model.park.host_memory import trim_heap
 
 log = logging.getLogger(__name__)
@@ -31,10 +32,8 @@ PROBE_TOKENS = 64
 
 def gguf_source(config: EngineConfig) -> Path | None:
     """The GGUF file the model was loaded from, if it was."""
-    path = Path(config.model).expanduser()
-    if config.gguf_file:
-        return path / config.gguf_file
-    return path if path.suffix.lower() == ".gguf" else None
+    folder, gguf_name = split_source(config.model, config.gguf_file)
+    return folder / gguf_name if gguf_name else None
 
 
 def check_quantization(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
