@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,13 +15,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model.cpu import narrow_cache
 from engine.model.cpu.kernels import quant_gemm
-from engine.model.cpu.quantize import (
-    PROBE_MIN_TOP1,
-    QuantizedModel,
-    compare_probe,
-    probe_logits,
-    quantize_model,
-)
+from engine.model.cpu.quantize import QuantizedModel, quantize_model
 from engine.model.model_source import split_source
 from engine.model.park.host_memory import trim_heap
 
@@ -28,6 +23,32 @@ log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 PROBE_TOKENS = 64
+
+# How far the quantised model's predictions may move from the fp32 model's on the probe before the
+# format is refused (measured on SmolLM2-135M: docs/PERFORMANCE.md#narrow-weights).
+PROBE_MIN_TOP1 = 0.8
+
+
+@dataclass
+class ProbeResult:
+    top1_agreement: float  # share of probe positions whose argmax is unchanged
+    max_error: float  # largest |logit difference| over the largest |logit|
+
+    @property
+    def ok(self) -> bool:
+        return self.top1_agreement >= PROBE_MIN_TOP1
+
+
+def probe_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [T, vocab] of the plain transformers forward over the probe ``ids`` [T]."""
+    with torch.inference_mode():
+        return model(input_ids=ids[None], use_cache=False).logits[0].float()
+
+
+def compare_probe(reference: torch.Tensor, logits: torch.Tensor) -> ProbeResult:
+    agreement = (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()
+    error = ((reference - logits).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
+    return ProbeResult(agreement, error)
 
 
 def gguf_source(config: EngineConfig) -> Path | None:

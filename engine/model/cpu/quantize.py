@@ -10,14 +10,13 @@ llama.cpp's quantiser keeps its output tensor at 6 bits or more: in int4 SmolLM2
 changed on half of the load probe). q/k/v and gate/up fuse into one GEMM each, as on the dense path;
 an lm_head tied to the embedding shares its records.
 
-The result is checked at load against the fp32 forward on a probe (`check_probe`), as the lean
-forward is: a format that moves the model's predictions too far is not used.
+engine.model.cpu.narrow_weights checks the result against the dense forward on a probe, as the
+lean forward is checked: a format that moves the model's predictions too far is refused.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +37,6 @@ from engine.model.cpu.quant_formats import (
     quantize,
 )
 from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
-
-log = logging.getLogger(__name__)
 
 MODES = ("gguf", "int8", "int4")
 
@@ -214,30 +211,3 @@ def quantize_model(
         narrow_cache.save(cache, choose.choices)
     choose.report.cached = cached is not None
     return choose.report
-
-
-# How far the quantised model's predictions may move from the fp32 model's on the probe before the
-# format is refused (measured on SmolLM2-135M: docs/PERFORMANCE.md#narrow-weights).
-PROBE_MIN_TOP1 = 0.8
-
-
-@dataclass
-class ProbeResult:
-    top1_agreement: float  # share of probe positions whose argmax is unchanged
-    max_error: float  # largest |logit difference| over the largest |logit|
-
-    @property
-    def ok(self) -> bool:
-        return self.top1_agreement >= PROBE_MIN_TOP1
-
-
-def probe_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [T, vocab] of the plain transformers forward over the probe ``ids`` [T]."""
-    with torch.inference_mode():
-        return model(input_ids=ids[None], use_cache=False).logits[0].float()
-
-
-def compare_probe(reference: torch.Tensor, logits: torch.Tensor) -> ProbeResult:
-    agreement = (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    error = ((reference - logits).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
-    return ProbeResult(agreement, error)
