@@ -40,6 +40,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from engine.model.cpu.kernels import build as kernels_build  # noqa: E402
+
 # The sections, one module each: scripts/engine_bench/.
 from scripts.engine_bench.hf import bench_hf  # noqa: E402
 from scripts.engine_bench.limit import bench_limit  # noqa: E402
@@ -58,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", help="model dtype (the issue's figures: float32)")
+    p.add_argument(
+        "--quantization", default="auto", help="auto (a GGUF's own blocks), none, int8 or int4"
+    )
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or narrower")
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--seed", type=int, default=0)
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model,
         "threads": args.threads,
         "dtype": args.dtype,
+        "quantization": args.quantization,
+        "kernels_isa": kernels_build.isa(),
         "kv_cache_dtype": args.kv_cache_dtype,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "torch": torch.__version__,

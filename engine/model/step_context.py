@@ -13,7 +13,11 @@ from engine.model.attention.backends import paged_attention
 from engine.model.attention.metadata import AttentionMetadata
 from engine.model.cpu.attention import fused_decode_step
 from engine.model.cpu.kernels.panel_gemm import PanelOperands
+from engine.model.cpu.kernels.quant_gemm import NarrowOperands
 from engine.model.step_profile import ATTENTION, QKV_IN_ATTENTION, StepProfile
+
+# A layer's qkv rows, or the GEMM that computes them inside the attention call.
+QkvRows = torch.Tensor | PanelOperands | NarrowOperands
 
 
 @dataclass
@@ -64,12 +68,17 @@ class StepContext:
 
     def fused_decode(
         self, rotary: tuple[torch.Tensor, torch.Tensor], q_heads: int, dtype: torch.dtype
-    ) -> Callable[[int, torch.Tensor | PanelOperands, float, int | None], torch.Tensor] | None:
+    ) -> (
+        Callable[
+            [int, torch.Tensor | PanelOperands | NarrowOperands, float, int | None], torch.Tensor
+        ]
+        | None
+    ):
         """For a decode-only step on the C kernels: ``attend(layer, qkv, scale, sliding_window)``
         taking the layer's unrotated qkv rows [B, (Hq + 2 Hkv) * D] and doing rotary (``rotary``:
         cos/sin [B, D]), the cache write and attention in one call, returning [B, Hq, D]. ``qkv``
-        may also be the qkv projection's panel GEMM
-        (engine.model.cpu.linear.StepGemms.panel_operands), which then runs in the same call; the
+        may also be the qkv projection's panel or narrow-weight GEMM
+        (engine.model.cpu.linear.StepGemms.fused_operands), which then runs in the same call; the
         profile books its time inside attention's (QKV_IN_ATTENTION). None: use `attend` (another
         backend, or see engine.model.cpu.attention.fused_decode_step)."""
         if self.backend != "cpu":
@@ -82,7 +91,10 @@ class StepContext:
             return None
 
         def attend(
-            layer: int, qkv: torch.Tensor | PanelOperands, scale: float, window: int | None
+            layer: int,
+            qkv: torch.Tensor | PanelOperands | NarrowOperands,
+            scale: float,
+            window: int | None,
         ) -> torch.Tensor:
             k_cache, v_cache = self.kv_caches[layer]
             started = time.perf_counter() if profile is not None else 0.0

@@ -21,13 +21,15 @@ from engine.core.sampling_params import SamplingParams
 from engine.model.cpu.kernels.build import available
 from engine.model.cpu.kernels.paged_decode import read_paged_kv
 from engine.model.cpu.linear import PrepackedLinear, StepGemms
+from engine.model.cpu.quant_linear import QuantizedLinear
 from engine.model.step_profile import ATTENTION, FORWARD, StepProfile
 from scripts.engine_bench.shared import log, make_core, sync, token_prompt
 
 
 def model_linears(core: EngineCore) -> list[nn.Module]:
-    """The engine's linear modules in execution order (prepacked on CPU, nn.Linear on CUDA)."""
-    kinds = (PrepackedLinear, nn.Linear)
+    """The engine's linear modules in execution order (prepacked or narrow-weight on CPU,
+    nn.Linear on CUDA)."""
+    kinds = (PrepackedLinear, QuantizedLinear, nn.Linear)
     return [m for m in core.runner.model.modules() if isinstance(m, kinds)]
 
 

@@ -50,6 +50,7 @@ def make_core(args: argparse.Namespace, **overrides: object) -> EngineCore:
         "model": args.model,
         "num_threads": args.threads,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "device": args.device,
         "max_model_len": 2048,

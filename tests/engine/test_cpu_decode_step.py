@@ -1,6 +1,6 @@
 """The fused decode step (paged_decode.DecodeStep) against torch: K/V cache writes from
-strided qkv rows, rotary applied in the step, and the qkv panel GEMM run in the attention's
-parallel region, bit for bit, its time reported only when asked."""
+strided qkv rows, rotary applied in the step, and the qkv GEMM (fp32 panels or narrow weights)
+run in the attention's parallel region, bit for bit, its time reported only when asked."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import torch
 
 from engine.model.attention import torch_reference
 from engine.model.attention.torch_reference import write_kv_cache_torch
-from engine.model.cpu.kernels import build, paged_decode, panel_gemm
+from engine.model.cpu.kernels import build, paged_decode, panel_gemm, quant_gemm
+from engine.model.cpu.kernels.quant_gemm import NarrowOperands
+from engine.model.cpu.quant_formats import quantize
 from tests.engine.test_attention import make_batch
 from tests.engine.test_cpu_decode_kernel import ATOL, RAGGED
 from tests.engine.test_cpu_fused_ops import rotate_reference
@@ -87,18 +89,21 @@ def test_fused_decode_step_rotates_writes_and_attends(
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.skipif(
-    panel_gemm.pack(torch.zeros(1, 1)) is None, reason="no AVX-512: no panel GEMM here"
-)
+NO_PANELS = panel_gemm.pack(torch.zeros(1, 1)) is None
+
+
+@pytest.mark.parametrize("projection", ["panel", "int8", "int4"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("step_threads", "gemm_threads"), [(2, 2), (1, 2), (2, 1)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_projection_in_the_attention_region_equals_the_two_calls(
-    kv_dtype, step_threads, gemm_threads, bias
+    projection, kv_dtype, step_threads, gemm_threads, bias
 ):
-    """A DecodeStep call given the qkv panel GEMM (run with the attention in one parallel region)
-    writes the same qkv rows, K/V slots and output as the GEMM followed by a call on its rows, bit
-    for bit; attention sized for one thread included."""
+    """A DecodeStep call given the qkv GEMM, on fp32 panels or narrow weights (run with the
+    attention in one parallel region), writes the same qkv rows, K/V slots and output as the GEMM
+    followed by a call on its rows, bit for bit; attention sized for one thread included."""
+    if projection == "panel" and NO_PANELS:
+        pytest.skip("no AVX-512: no panel GEMM here")
     q_heads, kv_heads, head_dim, hidden = 9, 3, 64, 96
     batch = make_batch(
         [1] * len(RAGGED), RAGGED, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -111,7 +116,16 @@ def test_projection_in_the_attention_region_equals_the_two_calls(
     x = torch.randn(len(RAGGED), hidden, generator=generator)
     angles = torch.rand(len(RAGGED), head_dim // 2, generator=generator) * 6
     angles = torch.cat((angles, angles), dim=-1)
-    packed = panel_gemm.pack(weight)
+    if projection == "panel":
+        packed = panel_gemm.pack(weight)
+        qkv = panel_gemm.linear(x, packed, width, b, gemm_threads)
+        operands = (x, packed, width, b, torch.full_like(qkv, float("nan")), gemm_threads)
+    else:
+        lib = quant_gemm.library()
+        packed = quant_gemm.pack(lib, quantize(weight, projection))
+        qkv = quant_gemm.gemm(lib, projection, x, packed, width, b, gemm_threads)
+        linear = quant_gemm.narrow_linear(projection, packed, width, hidden, b)
+        operands = NarrowOperands(x, linear, torch.full_like(qkv, float("nan")), gemm_threads)
     caches = [batch.k_cache.to(kv_dtype), batch.v_cache.to(kv_dtype)]
     expected_caches = [c.clone() for c in caches]
     step = paged_decode.DecodeStep(
@@ -119,18 +133,14 @@ def test_projection_in_the_attention_region_equals_the_two_calls(
         head_dim=head_dim, block_size=16, kv_dtype=kv_dtype, num_threads=step_threads,
         slots=batch.meta.slot_mapping, rotary=(angles.cos(), angles.sin()),
     )  # fmt: skip
-    qkv = panel_gemm.linear(x, packed, width, b, gemm_threads)
     expected = step(qkv, *expected_caches, head_dim**-0.5, None, None).clone()
-    rows = torch.full_like(qkv, float("nan"))
-    out = step((x, packed, width, b, rows, gemm_threads), *caches, head_dim**-0.5, None, None)
-    assert torch.equal(rows, qkv)
+    out = step(operands, *caches, head_dim**-0.5, None, None)
+    assert torch.equal(operands[-2], qkv)  # the rows the call's GEMM wrote
     assert torch.equal(out, expected)
     assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches, strict=True))
 
 
-@pytest.mark.skipif(
-    panel_gemm.pack(torch.zeros(1, 1)) is None, reason="no AVX-512: no panel GEMM here"
-)
+@pytest.mark.skipif(NO_PANELS, reason="no AVX-512: no panel GEMM here")
 @pytest.mark.parametrize("time_projection", [True, False])
 def test_projection_time_is_written_only_when_asked(time_projection):
     """With time_projection, a call given the qkv panel GEMM reports the projection's time (part

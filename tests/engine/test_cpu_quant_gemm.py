@@ -126,3 +126,53 @@ def test_formats_reject_what_they_cannot_hold():
         quantize(torch.zeros(4, 48), "int8")
     with pytest.raises(ValueError, match="unknown format"):
         quantize(torch.zeros(4, 64), "int3")
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("fmt", quant_formats.FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_block_matches_the_torch_reference(isa, fmt, rows, bias):
+    """quant_mlp_block, a layer after attention in one call (o_proj, residual add, RMSNorm, gated
+    [gate; up], SiLU, down), against the same math in torch over reference GEMMs; on 1 and 2
+    threads alike (every output column is one thread's)."""
+    hidden, width, attn_width, eps = 96, 64, 128, 1e-5
+    generator = torch.Generator().manual_seed(rows * 10 + bias)
+
+    def linear(n: int, k: int) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        b = torch.randn(n, generator=generator) if bias else None
+        return quantize(torch.randn(n, k, generator=generator) / k**0.5, fmt), b
+
+    (o, o_b), (gate_up, gate_up_b), (down, down_b) = (
+        linear(hidden, attn_width),
+        linear(2 * width, hidden),
+        linear(hidden, width),
+    )
+    norm_weight = 1 + 0.1 * torch.randn(hidden, generator=generator)
+    attn = torch.randn(rows, attn_width, generator=generator)
+    x = torch.randn(rows, hidden, generator=generator)
+
+    expected_x = x + reference(attn, o, o_b)
+    h = torch.nn.functional.rms_norm(expected_x, (hidden,), norm_weight, eps)
+    gu = reference(h, gate_up, gate_up_b)
+    expected = reference(torch.nn.functional.silu(gu[:, :width]) * gu[:, width:], down, down_b)
+
+    lib = quant_gemm.library(isa)
+    linears = ((o, o_b), (gate_up, gate_up_b), (down, down_b))
+    packs = [quant_gemm.pack(lib, w) for w, _ in linears]  # alive while the NarrowLinears are
+    o_n, gu_n, down_n = (
+        quant_gemm.narrow_linear(fmt, p, w.out_features, w.in_features, b)
+        for p, (w, b) in zip(packs, linears, strict=True)
+    )
+    outs = []
+    for threads in (1, 2):
+        x_out = x.clone()
+        scratch = tuple(torch.empty(rows, w) for w in (hidden, hidden, width))
+        delta = torch.empty(rows, hidden)
+        quant_gemm.mlp_block(
+            lib, o_n, attn, x_out, (norm_weight, eps), gu_n, down_n, scratch, delta, threads
+        )
+        torch.testing.assert_close(x_out, expected_x, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(delta, expected, rtol=1e-3, atol=1e-3)
+        outs.append(delta)
+    assert torch.equal(outs[0], outs[1])

@@ -113,7 +113,7 @@ class LeanLlamaForward:
         for index, layer in enumerate(self.layers):
             h = step_ops.add_rms_norm(delta, *layer.input_norm)
             if fused is not None:  # with the projection where the kernel can run it too
-                qkv = gemms.panel_operands(layer.qkv, h) or gemms(layer.qkv, h)
+                qkv = gemms.fused_operands(layer.qkv, h) or gemms(layer.qkv, h)
                 attn = fused(index, qkv, layer.scale, layer.sliding_window)
             else:
                 qkv = gemms(layer.qkv, h)
@@ -128,10 +128,13 @@ class LeanLlamaForward:
                     layer.sliding_window,
                     None,
                 )
-            h = step_ops.add_rms_norm(
-                gemms(layer.o_proj, attn.reshape(tokens, q_width)), *layer.post_norm
+            attn = attn.reshape(tokens, q_width)
+            delta = gemms.narrow_block(
+                layer.o_proj, attn, x, layer.post_norm, layer.gate_up, layer.down
             )
-            delta = gemms(layer.down, gemms.silu_mul(layer.gate_up, h, step_ops.silu_mul))
+            if delta is None:
+                h = step_ops.add_rms_norm(gemms(layer.o_proj, attn), *layer.post_norm)
+                delta = gemms(layer.down, gemms.silu_mul(layer.gate_up, h, step_ops.silu_mul))
         if sample_rows is None:
             return None
         rows = x.index_select(0, sample_rows)  # a copy: the norm's in-place add stays local

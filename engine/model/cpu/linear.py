@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.cpu.huge_pages import HugePageArena
-from engine.model.cpu.kernels import panel_gemm
+from engine.model.cpu.kernels import panel_gemm, quant_gemm
 from engine.model.cpu.kernels.panel_gemm import PanelOperands
+from engine.model.cpu.kernels.quant_gemm import NarrowOperands
+from engine.model.cpu.quant_linear import QuantizedLinear
 from engine.model.cpu.threads import all_threads, release
 
 
@@ -126,7 +128,8 @@ class StepGemms:
     docs/PERFORMANCE.md#per-op-overhead). A returned tensor is overwritten by the next call of
     the same width and kind, so the caller consumes each one first (the lean forward does). Rows
     over panel_gemm.MAX_ROWS, inputs not [rows, in_features] contiguous fp32 and linears without
-    panels take the module call."""
+    panels take the module call; so do narrow-weight linears, except where a kernel runs them
+    (`fused_operands`, `narrow_block`)."""
 
     def __init__(self, rows: int, threads: int | None = None) -> None:
         """``threads``: the GEMMs' team; by default the current split's (threads.split_threads),
@@ -134,6 +137,7 @@ class StepGemms:
         self._rows = rows
         self._threads = threads or all_threads() or torch.get_num_threads()
         self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._block: tuple[torch.Tensor, ...] | None = None  # narrow_block's buffers
 
     def __call__(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not self._on_panels(linear, x):
@@ -152,15 +156,61 @@ class StepGemms:
             return self._panel_gemm(gate_up, x, gated=True)
         return activation(self(gate_up, x))
 
-    def panel_operands(self, linear: nn.Module, x: torch.Tensor) -> PanelOperands | None:
-        """What a kernel needs to run ``linear(x)`` on the panel GEMM itself (inside its own
-        parallel region; output into this pass's buffer of that width), or None where the panel
-        GEMM does not serve it (see the class) or the weight is paired."""
-        if not self._on_panels(linear, x) or linear.paired:
+    def fused_operands(
+        self, linear: nn.Module, x: torch.Tensor
+    ) -> PanelOperands | NarrowOperands | None:
+        """What a kernel needs to run ``linear(x)`` itself (inside its own parallel region;
+        output into this pass's buffer of that width): the panel GEMM's operands, or a narrow
+        weight's; None where neither serves it (see the class) or the weight is paired."""
+        if getattr(linear, "paired", True):
             return None
         width = linear.out_features
+        if isinstance(linear, QuantizedLinear):
+            if not self._narrow_input(linear, x):
+                return None
+            return NarrowOperands(x, linear.narrow, self._output(width, gated=False), self._threads)
+        if not self._on_panels(linear, x):
+            return None
         out = self._output(width, gated=False)
         return x, linear.panel_weight, width, linear.bias, out, self._threads
+
+    def narrow_block(
+        self,
+        o_proj: nn.Module,
+        attn: torch.Tensor,
+        x: torch.Tensor,
+        norm: tuple[torch.Tensor, float],
+        gate_up: nn.Module,
+        down: nn.Module,
+    ) -> torch.Tensor | None:
+        """A layer after attention on narrow weights in one C call: ``x += o_proj(attn)``, then
+        ``down(silu(gate(h)) * up(h))`` with ``h = rms_norm(x) * weight`` (``norm``: weight,
+        eps), as the lean forward computes it with separate calls; None where the linears are
+        not narrow ones this serves (the caller makes those calls)."""
+        linears = (o_proj, gate_up, down)
+        if not (
+            all(isinstance(m, QuantizedLinear) for m in linears)
+            and gate_up.paired
+            and self._narrow_input(o_proj, attn)
+            and self._narrow_input(gate_up, x)
+            and norm[0].dtype == torch.float32
+        ):
+            return None
+        if self._block is None:  # o_proj's output, h, the activation, the block's output
+            widths = (x.shape[1], x.shape[1], down.in_features, x.shape[1])
+            self._block = tuple(torch.empty((self._rows, w)) for w in widths)
+        *scratch, delta = self._block
+        return quant_gemm.mlp_block(
+            o_proj._lib, o_proj.narrow, attn, x, norm, gate_up.narrow, down.narrow, scratch,
+            delta, self._threads,
+        )  # fmt: skip
+
+    def _narrow_input(self, linear: QuantizedLinear, x: torch.Tensor) -> bool:
+        return (
+            x.shape == (self._rows, linear.in_features)
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+        )
 
     def _on_panels(self, linear: nn.Module, x: torch.Tensor) -> bool:
         return (

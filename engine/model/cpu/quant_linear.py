@@ -20,10 +20,16 @@ from engine.model.cpu.threads import all_threads
 
 
 class QuantizedLinear(nn.Module):
-    """``y = x W^T + b`` with W a QuantizedWeight; activations fp32 (any leading shape)."""
+    """``y = x W^T + b`` with W a QuantizedWeight; activations fp32 (any leading shape).
+    ``paired``: the weight is an MLP's [gate; up] (rows [0, N/2) gate), which
+    `engine.model.cpu.linear.StepGemms` can then run with the activation inside the GEMM."""
 
     def __init__(
-        self, weight: QuantizedWeight, bias: torch.Tensor | None, lib: ctypes.CDLL
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        lib: ctypes.CDLL,
+        paired: bool = False,
     ) -> None:
         super().__init__()
         self.fmt = weight.fmt
@@ -33,6 +39,21 @@ class QuantizedLinear(nn.Module):
             "bias", None if bias is None else bias.detach().float().contiguous(), persistent=False
         )
         self._lib = lib
+        self.paired = paired
+        self._narrow: tuple[tuple[int, int | None], object] | None = None
+
+    @property
+    def narrow(self) -> object:
+        """This GEMM for kernels that run it inside their own parallel region (quant_gemm's
+        NarrowLinear by reference); rebuilt when the weights moved (parking repoints them)."""
+        bias = self.bias
+        at = (self.packed.data_ptr(), None if bias is None else bias.data_ptr())
+        if self._narrow is None or self._narrow[0] != at:
+            linear = quant_gemm.narrow_linear(
+                self.fmt, self.packed, self.out_features, self.in_features, bias
+            )
+            self._narrow = (at, linear)
+        return self._narrow[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -191,7 +191,7 @@ def quantize_model(
         parts = [weight_of(m) for m in linears]
         if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1:
             return None
-        return QuantizedLinear(concatenate(parts), stacked_bias(linears), lib)
+        return QuantizedLinear(concatenate(parts), stacked_bias(linears), lib, paired)
 
     embedding = model.get_input_embeddings()
     if type(embedding) is nn.Embedding:

@@ -38,7 +38,8 @@ _SOURCES = tuple(
     for name in ("isa.c", "paged_decode.c", "fused_ops.c", "panel_gemm.c", "quant_gemm.c")
 )
 _HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("bf16.h", "fast_exp.h", "panel_gemm.h")
+    Path(__file__).with_name(name)
+    for name in ("bf16.h", "fast_exp.h", "panel_gemm.h", "quant_gemm.h", "spin_barrier.h")
 )
 # -ffp-contract=fast (gcc's default in GNU C mode, not clang's) fuses the D-loop multiply-adds
 # into FMAs; no -ffast-math, so NaN and inf stay IEEE. -lm goes after the source.
@@ -176,6 +177,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     fused.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64]
     fused.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
     fused.restype = ctypes.c_int
+    narrow = lib.decode_narrow_qkv_attention  # the NarrowLinear by reference (quant_gemm.py)
+    narrow.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64, ctypes.c_float]
+    narrow.argtypes += [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+    narrow.restype = ctypes.c_int
     for suffix in DTYPE_SUFFIXES.values():
         norm, rope = getattr(lib, "add_rms_norm_" + suffix), getattr(lib, "rope_" + suffix)
         norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]

@@ -23,14 +23,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h> /* _mm_pause (SSE2) on every x86 build, and the AVX tiles */
+#include <immintrin.h> /* the AVX tiles */
 #endif
 
 #include "bf16.h"
 #include "fast_exp.h"
 #include "panel_gemm.h"
+#include "quant_gemm.h"
+#include "spin_barrier.h"
 
 #define TILE 16
 #define CHUNK 256               /* keys whose scores a task holds at once */
@@ -676,53 +677,36 @@ int paged_decode_attention(const DecodeStep *step, const void *rows, int64_t row
     return failed ? -1 : 0;
 }
 
-/* Pauses a barrier spins before it sleeps between checks: about as long as the engine's
- * --spin-wait lets libgomp spin (engine/model/cpu/openmp_env.py; a pause's cost here:
- * docs/PERFORMANCE.md#openmp-wait-policy). */
-#define BARRIER_SPINS 10000
-
-/* Waits until `team` threads have arrived at *arrived (a counter used once, zero before):
- * spinning, which costs the wait alone, where a libgomp barrier in a passive-wait team puts the
- * early thread to sleep, and waking it costs about as long as a late worker keeps the other
- * waiting (figures: docs/PERFORMANCE.md#thread-wake-ups). Past BARRIER_SPINS it sleeps 20 us
- * between checks: when other processes hold the late thread's core, the waiting one leaves its
- * core to them. */
-static void spin_barrier(int *arrived, int team) {
-    __atomic_add_fetch(arrived, 1, __ATOMIC_ACQ_REL);
-    for (int spins = 0; __atomic_load_n(arrived, __ATOMIC_ACQUIRE) < team; spins++) {
-        if (spins < BARRIER_SPINS) {
-#if defined(__x86_64__) || defined(__i386__)
-            _mm_pause();
-#else
-            __asm__ __volatile__("" ::: "memory"); /* re-read `arrived`, as a pause would */
-#endif
-        } else {
-            const struct timespec nap = {0, 20000};
-            nanosleep(&nap, NULL);
-        }
-    }
-}
-
 /* A decode layer's qkv projection and attention in one parallel region of nthreads (the GEMM's
- * team): rows = x [batch, k] . W^T (+ bias), W packed for panel_gemm (panel_gemm.c) with
- * n = (Hq + 2 Hkv) D outputs, into `rows` [batch, n] (fp32 activations), then
- * paged_decode_attention over them (step->slots and the rotary tables set: the call writes the new
- * K/V). A separate attention region costs a wake-up of the team's sleeping threads per layer
- * with passive waiting; inside the projection's region they go on to the attention after a spin
- * barrier (figures: docs/PERFORMANCE.md#fused-qkv-and-attention). Attention sized for one thread
- * (step->nthreads) stays on the caller's. projection_seconds, when not NULL, receives the time
- * from the call's start to the barrier (the projection, the team's wake-up included) for the step
- * profile (engine/model/step_profile.py). Returns as paged_decode_attention. */
-int decode_qkv_attention(const DecodeStep *step, const float *x, int64_t k, const float *packed,
-                         int64_t n, const float *bias, float *rows, void *k_cache, void *v_cache,
-                         void *out, float scale, int64_t window, float softcap, int nthreads,
-                         double *projection_seconds) {
-    int failed = 0, arrived = 0;
+ * team): rows = x [batch, k] . W^T (+ bias) with n = (Hq + 2 Hkv) D outputs, into `rows`
+ * [batch, n] (fp32 activations), then paged_decode_attention over them (step->slots and the rotary
+ * tables set: the call writes the new K/V). W is packed for the panel GEMM (panel, panel_gemm.c)
+ * or narrow (narrow, quant_gemm.c; x is quantised first). A separate attention region costs a
+ * wake-up of the team's sleeping threads per layer with passive waiting; inside the projection's
+ * region they go on to the attention after a spin barrier (figures:
+ * docs/PERFORMANCE.md#fused-qkv-and-attention). Attention sized for one thread (step->nthreads)
+ * stays on the caller's. projection_seconds, when not NULL, receives the time from the call's
+ * start to the barrier (the projection, the team's wake-up included) for the step profile
+ * (engine/model/step_profile.py). Returns as paged_decode_attention. */
+static int qkv_attention(const DecodeStep *step, const float *x, int64_t k, const float *panel,
+                         const NarrowLinear *narrow, int64_t n, const float *bias, float *rows,
+                         void *k_cache, void *v_cache, void *out, float scale, int64_t window,
+                         float softcap, int nthreads, double *projection_seconds) {
+    QuantRow *quantized = narrow ? quant_rows_alloc(step->batch, k) : NULL;
+    if (narrow && quantized == NULL) return -1;
+    int failed = 0, arrived[2] = {0, 0};
     const double started = projection_seconds ? omp_get_wtime() : 0.0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        panel_gemm_shared(x, step->batch, k, packed, n, 0, 0, bias, rows);
-        spin_barrier(&arrived, omp_get_num_threads());
+        const int team = omp_get_num_threads();
+        if (narrow) {
+            quant_rows_fill(x, step->batch, k, quantized, omp_get_thread_num(), team);
+            spin_barrier(&arrived[0], team);
+            quant_gemm_shared(narrow, quantized, step->batch, rows);
+        } else {
+            panel_gemm_shared(x, step->batch, k, panel, n, 0, 0, bias, rows);
+        }
+        spin_barrier(&arrived[1], team);
         if (projection_seconds && omp_get_thread_num() == 0)
             *projection_seconds = omp_get_wtime() - started;
         int status = 0;
@@ -736,7 +720,25 @@ int decode_qkv_attention(const DecodeStep *step, const float *x, int64_t k, cons
             failed = 1;
         }
     }
+    free(quantized);
     return failed ? -1 : 0;
+}
+
+int decode_qkv_attention(const DecodeStep *step, const float *x, int64_t k, const float *packed,
+                         int64_t n, const float *bias, float *rows, void *k_cache, void *v_cache,
+                         void *out, float scale, int64_t window, float softcap, int nthreads,
+                         double *projection_seconds) {
+    return qkv_attention(step, x, k, packed, NULL, n, bias, rows, k_cache, v_cache, out, scale,
+                         window, softcap, nthreads, projection_seconds);
+}
+
+int decode_narrow_qkv_attention(const DecodeStep *step, const float *x, const NarrowLinear *w,
+                                float *rows, void *k_cache, void *v_cache, void *out, float scale,
+                                int64_t window, float softcap, int nthreads,
+                                double *projection_seconds) {
+    if (w->k % 32) return -1;
+    return qkv_attention(step, x, w->k, NULL, w, w->n, w->bias, rows, k_cache, v_cache, out,
+                         scale, window, softcap, nthreads, projection_seconds);
 }
 
 /* The bytes a decode step's attention reads, read and nothing else: for every layer (pools

@@ -18,7 +18,7 @@ from engine.model.cpu.kernels.build import load
 # where oneDNN starts to win (figures: docs/PERFORMANCE.md#panel-gemm).
 MAX_ROWS = 128
 
-# A panel GEMM's operands (engine.model.cpu.linear.StepGemms.panel_operands), for a kernel that
+# A panel GEMM's operands (engine.model.cpu.linear.StepGemms.fused_operands), for a kernel that
 # runs the GEMM inside its own parallel region: input [M, K], packed weight, output width N, bias
 # [N] or None, output [M, N], threads.
 PanelOperands = tuple[torch.Tensor, torch.Tensor, int, "torch.Tensor | None", torch.Tensor, int]

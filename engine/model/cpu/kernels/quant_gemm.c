@@ -16,9 +16,14 @@
  * each weight load. The dots run on vpdpbusd (AVX512-VNNI on 256-bit vectors, or AVX-VNNI),
  * AVX2 (vpmaddubsw + vpmaddwd) or plain C, as the build's target allows (kernels/build.py). */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fast_exp.h"
+#include "quant_gemm.h"
+#include "spin_barrier.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -37,6 +42,7 @@
 #define QUADS (BLOCK / 4)
 #define ROWS 4
 #define GROUPS_PER_TILE 2
+#define PREFETCH_AHEAD 2048 /* bytes; 1-4 KiB streamed alike (docs/PERFORMANCE.md#narrow-weights) */
 #define SERIAL_QUANTIZE 32768 /* activations (m x k) up to which one thread quantises them */
 
 enum { QUANT_INT8 = 0, QUANT_INT4 = 1 };
@@ -104,15 +110,6 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
         }
 }
 
-/* One row of activations quantised: q [k] int8 and u [k] = q + 128 as unsigned bytes, d [nb]
- * scales, s [nb] = d * sum(q) per block. */
-typedef struct {
-    int8_t *q;
-    uint8_t *u;
-    float *d;
-    float *s;
-} QuantRow;
-
 /* One block of 32 activations to int8: q = x / d rounded half to even, d = max|x| / 127; returns
  * d and the sum of q. */
 static float quantize_block(const float *x, int8_t *q, int *sum) {
@@ -166,6 +163,10 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
     for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = group + b * gb;
+        /* the weights PREFETCH_AHEAD bytes on, asked for now: they arrive while this block
+           computes (the hardware prefetcher alone left the loads waiting on memory) */
+        for (int64_t line = 0; line < gb; line += 64)
+            __builtin_prefetch(blk + PREFETCH_AHEAD + line, 0, 0);
         const __m256 wd = _mm256_loadu_ps((const float *)blk);
         __m256i dots[ROWS];
 #pragma GCC unroll 4
@@ -180,10 +181,25 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
 #pragma GCC unroll 4
                 for (int r = 0; r < rows; r++) {
                     const int8_t *xq = x[r].q + b * BLOCK;
-                    dots[r] = dot4(dots[r], lo, _mm256_set1_epi32(quad(xq + 4 * j)));
-                    dots[r] = dot4(dots[r], hi, _mm256_set1_epi32(quad(xq + 16 + 4 * j)));
+                    const __m256i x_lo = _mm256_set1_epi32(quad(xq + 4 * j));
+                    const __m256i x_hi = _mm256_set1_epi32(quad(xq + 16 + 4 * j));
+#ifdef QUANT_VNNI
+                    dots[r] = dot4(dots[r], lo, x_lo);
+                    dots[r] = dot4(dots[r], hi, x_hi);
+#else
+                    /* pair sums in 16 bits for the whole block: 8 of them, each at most
+                       2 * 15 * 127 in magnitude, add up to 30480 < 2^15, so one vpmaddwd per
+                       block widens them instead of one per pair (half the multiplies) */
+                    dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(lo, x_lo));
+                    dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(hi, x_hi));
+#endif
                 }
             }
+#ifndef QUANT_VNNI
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++)
+                dots[r] = _mm256_madd_epi16(dots[r], _mm256_set1_epi16(1));
+#endif
             const __m256 wm = _mm256_loadu_ps((const float *)(blk + 32));
 #pragma GCC unroll 4
             for (int r = 0; r < rows; r++) {
@@ -257,25 +273,102 @@ static void group_rows(int format, const uint8_t *group, int64_t nb, const Quant
 }
 #endif
 
-/* Groups [g0, g1) for rows [r0, r0 + rows) into y [m, n]. */
-static void group_tile(int format, const uint8_t *packed, int64_t n, int64_t k, int64_t g0,
-                       int64_t g1, const QuantRow *x, int64_t r0, int rows, const float *bias,
-                       float *y) {
-    const int64_t nb = k / BLOCK;
-    for (int64_t g = g0; g < g1; g++) {
-        float out[ROWS][GROUP];
-        const uint8_t *group = packed + g * nb * group_block_bytes(format);
-        switch (rows) { /* the row count a constant in each copy */
-        case 4: group_rows(format, group, nb, x + r0, out, 4); break;
-        case 3: group_rows(format, group, nb, x + r0, out, 3); break;
-        case 2: group_rows(format, group, nb, x + r0, out, 2); break;
-        default: group_rows(format, group, nb, x + r0, out, 1); break;
-        }
-        const int64_t c0 = g * GROUP, width = n - c0 < GROUP ? n - c0 : GROUP;
-        for (int r = 0; r < rows; r++)
-            for (int64_t c = 0; c < width; c++)
-                y[(r0 + r) * n + c0 + c] = out[r][c] + (bias ? bias[c0 + c] : 0.0f);
+
+/* Rows [r0, r0 + rows) of x times group g of w: out [rows][8], without the bias. */
+static void group_out(const NarrowLinear *w, int64_t g, const QuantRow *x, int64_t r0, int rows,
+                      float out[ROWS][GROUP]) {
+    const int64_t nb = w->k / BLOCK;
+    const uint8_t *group = w->packed + g * nb * group_block_bytes(w->format);
+    switch (rows) { /* the row count a constant in each copy */
+    case 4: group_rows(w->format, group, nb, x + r0, out, 4); break;
+    case 3: group_rows(w->format, group, nb, x + r0, out, 3); break;
+    case 2: group_rows(w->format, group, nb, x + r0, out, 2); break;
+    default: group_rows(w->format, group, nb, x + r0, out, 1); break;
     }
+}
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static inline int row_chunk(int64_t m, int64_t r0) { return m - r0 < ROWS ? (int)(m - r0) : ROWS; }
+
+static inline float bias_of(const NarrowLinear *w, int64_t c) {
+    return w->bias ? w->bias[c] : 0.0f;
+}
+
+/* Groups [g0, g1) of w for every row into y [m, n]. */
+static void group_tile(const NarrowLinear *w, int64_t g0, int64_t g1, const QuantRow *x,
+                       int64_t m, float *y) {
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            float out[ROWS][GROUP];
+            const int rows = row_chunk(m, r0);
+            group_out(w, g, x, r0, rows, out);
+            const int64_t c0 = g * GROUP, width = w->n - c0 < GROUP ? w->n - c0 : GROUP;
+            for (int r = 0; r < rows; r++)
+                for (int64_t c = 0; c < width; c++)
+                    y[(r0 + r) * w->n + c0 + c] = out[r][c] + bias_of(w, c0 + c);
+        }
+}
+
+/* Gate groups [g0, g1) of a [gate; up] weight (n = 2 width, width % 8 == 0) for every row:
+ * act [m, width] = silu(gate) * up, the up half's group g + width / 8 beside gate group g. */
+static void gated_tile(const NarrowLinear *w, int64_t g0, int64_t g1, const QuantRow *x,
+                       int64_t m, float *act) {
+    const int64_t width = w->n / 2, up_groups = width / GROUP;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            float gate[ROWS][GROUP], up[ROWS][GROUP];
+            const int rows = row_chunk(m, r0);
+            group_out(w, g, x, r0, rows, gate);
+            group_out(w, g + up_groups, x, r0, rows, up);
+            const int64_t c0 = g * GROUP;
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < GROUP; c++)
+                    act[(r0 + r) * width + c0 + c] =
+                        silu(gate[r][c] + bias_of(w, c0 + c)) *
+                        (up[r][c] + bias_of(w, width + c0 + c));
+        }
+}
+
+/* The tiles of groups [0, groups) of GROUPS_PER_TILE each, shared over the calling team; gated:
+ * gated_tile's, over the gate half's groups. */
+static void shared_tiles(const NarrowLinear *w, const QuantRow *x, int64_t m, float *y,
+                         int gated) {
+    const int64_t groups = gated ? w->n / 2 / GROUP : groups_of(w->n);
+    const int64_t tiles = (groups + GROUPS_PER_TILE - 1) / GROUPS_PER_TILE;
+#pragma omp for schedule(dynamic) nowait
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t g0 = t * GROUPS_PER_TILE;
+        const int64_t g1 = g0 + GROUPS_PER_TILE < groups ? g0 + GROUPS_PER_TILE : groups;
+        if (gated)
+            gated_tile(w, g0, g1, x, m, y);
+        else
+            group_tile(w, g0, g1, x, m, y);
+    }
+}
+
+void quant_gemm_shared(const NarrowLinear *w, const QuantRow *rows, int64_t m, float *y) {
+    shared_tiles(w, rows, m, y, 0);
+}
+
+QuantRow *quant_rows_alloc(int64_t m, int64_t k) {
+    const int64_t nb = k / BLOCK;
+    /* the rows, then d and s [m, nb] floats each, then q and u [m, k] bytes each */
+    const size_t head = (size_t)m * sizeof(QuantRow);
+    const size_t floats = (size_t)(2 * m * nb) * sizeof(float);
+    QuantRow *rows = malloc(head + floats + (size_t)(2 * m * k));
+    if (rows == NULL) return NULL;
+    float *scales = (float *)((char *)rows + head);
+    uint8_t *bytes = (uint8_t *)rows + head + floats;
+    for (int64_t r = 0; r < m; r++)
+        rows[r] = (QuantRow){(int8_t *)bytes + r * k, bytes + (m + r) * k, scales + r * nb,
+                             scales + (m + r) * nb};
+    return rows;
+}
+
+void quant_rows_fill(const float *x, int64_t m, int64_t k, QuantRow *rows, int64_t first,
+                     int64_t step) {
+    for (int64_t r = first; r < m; r += step) quantize_row(x + r * k, k, rows[r]);
 }
 
 /* y [m, n] = x [m, k] . W^T (+ bias [n] when given), W packed by quant_pack for k inputs
@@ -284,43 +377,78 @@ static void group_tile(int format, const uint8_t *packed, int64_t n, int64_t k, 
 int quant_gemm(int format, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
                const float *bias, float *y, int nthreads) {
     if (k % BLOCK || m <= 0) return m == 0 ? 0 : -1;
-    const int64_t nb = k / BLOCK;
-    /* the activations quantised: q and u [m, k] bytes each, then d and s [m, nb] floats each */
-    uint8_t *scratch = malloc((size_t)(2 * m * k + 2 * m * nb * (int64_t)sizeof(float)));
-    QuantRow *rows = malloc((size_t)m * sizeof(QuantRow));
-    if (!scratch || !rows) {
-        free(scratch);
-        free(rows);
-        return -1;
-    }
-    float *scales = (float *)(scratch + 2 * m * k);
-    for (int64_t r = 0; r < m; r++)
-        rows[r] = (QuantRow){(int8_t *)scratch + r * k, scratch + (m + r) * k, scales + r * nb,
-                             scales + (m + r) * nb};
-    const int64_t groups = groups_of(n);
-    const int64_t tiles = (groups + GROUPS_PER_TILE - 1) / GROUPS_PER_TILE;
+    QuantRow *rows = quant_rows_alloc(m, k);
+    if (rows == NULL) return -1;
+    const NarrowLinear w = {format, packed, n, k, bias};
+    const int64_t tiles = (groups_of(n) + GROUPS_PER_TILE - 1) / GROUPS_PER_TILE;
     /* decode-sized inputs are quantised by the caller's thread before the team starts: a barrier
        between the two loops cost more than the work (the team's threads sleep in between) */
     const int serial_quantize = m * k <= SERIAL_QUANTIZE;
-    if (serial_quantize)
-        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, rows[r]);
+    if (serial_quantize) quant_rows_fill(x, m, k, rows, 0, 1);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && tiles > 1)
     {
         if (!serial_quantize) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, rows[r]);
         }
-#pragma omp for schedule(dynamic) nowait /* the region's end is the one barrier */
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t g0 = t * GROUPS_PER_TILE;
-            const int64_t g1 = g0 + GROUPS_PER_TILE < groups ? g0 + GROUPS_PER_TILE : groups;
-            for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-                const int rows_left = m - r0 < ROWS ? (int)(m - r0) : ROWS;
-                group_tile(format, packed, n, k, g0, g1, rows, r0, rows_left, bias, y);
-            }
-        }
+        quant_gemm_shared(&w, rows, m, y);
     }
     free(rows);
-    free(scratch);
+    return 0;
+}
+
+/* x [m, hidden] += delta; h = x / rms(x) * weight for rows first, first + step, ... (the lean
+ * forward's add_rms_norm, fused_ops.c, in fp32). */
+static void add_rms_norm_rows(float *x, const float *delta, const float *weight, float eps,
+                              int64_t m, int64_t hidden, float *h, int64_t first, int64_t step) {
+    for (int64_t r = first; r < m; r += step) {
+        float *row = x + r * hidden;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; i++) {
+            row[i] += delta[r * hidden + i];
+            sum += row[i] * row[i];
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) h[r * hidden + i] = row[i] * inv * weight[i];
+    }
+}
+
+/* A decode layer's block after attention on narrow weights, in one parallel region of nthreads:
+ * x [m, hidden] += o(attn [m, o.k]); h = rms_norm(x) * norm_weight; delta [m, hidden] =
+ * down(silu(gate(h)) * up(h)), gate_up the [gate; up] weight (n = 2 down.k, down.k % 8 == 0). The
+ * team syncs on spin barriers between the GEMMs, where separate calls cost a wake-up of its
+ * sleeping threads each, and the Python between them more (docs/PERFORMANCE.md#narrow-weights).
+ * Scratch: o_out [m, hidden], h [m, hidden], act [m, down.k]. Returns 0, or -1 when out of
+ * memory or a shape does not fit. */
+int quant_mlp_block(const NarrowLinear *o, const float *attn, float *x, const float *norm_weight,
+                    float eps, const NarrowLinear *gate_up, const NarrowLinear *down, float *o_out,
+                    float *h, float *act, float *delta, int64_t m, int nthreads) {
+    const int64_t hidden = o->n, width = down->k;
+    const int64_t widest = max64(o->k, max64(hidden, width)); /* the inputs the rows hold */
+    if (m <= 0 || o->k % BLOCK || hidden % BLOCK || width % BLOCK || gate_up->k != hidden ||
+        gate_up->n != 2 * width || down->n != hidden)
+        return m == 0 ? 0 : -1;
+    QuantRow *rows = quant_rows_alloc(m, widest);
+    if (rows == NULL) return -1;
+    int arrived[5] = {0};
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        const int team = omp_get_num_threads(), me = omp_get_thread_num();
+        quant_rows_fill(attn, m, o->k, rows, me, team);
+        spin_barrier(&arrived[0], team);
+        quant_gemm_shared(o, rows, m, o_out);
+        spin_barrier(&arrived[1], team);
+        add_rms_norm_rows(x, o_out, norm_weight, eps, m, hidden, h, me, team);
+        quant_rows_fill(h, m, hidden, rows, me, team);
+        spin_barrier(&arrived[2], team);
+        shared_tiles(gate_up, rows, m, act, 1);
+        spin_barrier(&arrived[3], team);
+        quant_rows_fill(act, m, width, rows, me, team);
+        spin_barrier(&arrived[4], team);
+        quant_gemm_shared(down, rows, m, delta);
+    }
+    free(rows);
     return 0;
 }

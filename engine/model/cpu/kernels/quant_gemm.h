@@ -1,0 +1,37 @@
+/* The narrow-weight GEMM's work-sharing form (quant_gemm.c), for kernels that run it inside their
+ * own parallel region (paged_decode.c). */
+#ifndef MODELYARD_QUANT_GEMM_H
+#define MODELYARD_QUANT_GEMM_H
+#include <stdint.h>
+
+/* One row of activations quantised: q [k] int8 and u [k] = q + 128 as unsigned bytes, d [nb]
+ * scales, s [nb] = d * sum(q) per block of 32. */
+typedef struct {
+    int8_t *q;
+    uint8_t *u;
+    float *d;
+    float *s;
+} QuantRow;
+
+/* A linear layer on narrow weights: W [n, k] packed by quant_pack, bias [n] or NULL. */
+typedef struct {
+    int format;
+    const uint8_t *packed;
+    int64_t n, k;
+    const float *bias;
+} NarrowLinear;
+
+/* m rows of k activations' QuantRows and their storage in one block (free() releases it), or
+ * NULL when out of memory. */
+QuantRow *quant_rows_alloc(int64_t m, int64_t k);
+
+/* Rows first, first + step, ... below m of x [m, k] quantised into rows: split over a team by
+ * giving each thread its own first. */
+void quant_rows_fill(const float *x, int64_t m, int64_t k, QuantRow *rows, int64_t first,
+                     int64_t step);
+
+/* y [m, n] = the quantised rows times W^T (+ bias), its tiles shared over the calling team (an
+ * orphaned work-sharing loop without a barrier at its end). */
+void quant_gemm_shared(const NarrowLinear *w, const QuantRow *rows, int64_t m, float *y);
+
+#endif
