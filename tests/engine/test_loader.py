@@ -71,7 +71,10 @@ def test_local_folder_loads_in_fp32_on_cpu(tiny_llama_dir: Path) -> None:
     assert not loaded.model.training
 
 
-def test_explicit_dtype(tiny_llama_dir: Path) -> None:
+def test_explicit_dtype(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit --dtype is the weights' dtype (on a CPU that runs bf16 natively: elsewhere
+    bf16 falls back to fp32, tests/engine/test_cpu_isa.py)."""
+    monkeypatch.setattr(loader, "native_bf16", lambda: True)
     loaded = load_model(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="bfloat16"))
     assert next(loaded.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ModelLoadError, match="unknown dtype"):
