@@ -68,12 +68,7 @@ class StepContext:
 
     def fused_decode(
         self, rotary: tuple[torch.Tensor, torch.Tensor], q_heads: int, dtype: torch.dtype
-    ) -> (
-        Callable[
-            [int, torch.Tensor | PanelOperands | NarrowOperands, float, int | None], torch.Tensor
-        ]
-        | None
-    ):
+    ) -> Callable[[int, QkvRows, float, int | None], torch.Tensor] | None:
         """For a decode-only step on the C kernels: ``attend(layer, qkv, scale, sliding_window)``
         taking the layer's unrotated qkv rows [B, (Hq + 2 Hkv) * D] and doing rotary (``rotary``:
         cos/sin [B, D]), the cache write and attention in one call, returning [B, Hq, D]. ``qkv``
@@ -90,12 +85,7 @@ class StepContext:
         if step is None:
             return None
 
-        def attend(
-            layer: int,
-            qkv: torch.Tensor | PanelOperands | NarrowOperands,
-            scale: float,
-            window: int | None,
-        ) -> torch.Tensor:
+        def attend(layer: int, qkv: QkvRows, scale: float, window: int | None) -> torch.Tensor:
             k_cache, v_cache = self.kv_caches[layer]
             started = time.perf_counter() if profile is not None else 0.0
             out = step(qkv, k_cache, v_cache, scale, window, None)

@@ -39,7 +39,14 @@ _SOURCES = tuple(
 )
 _HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("bf16.h", "fast_exp.h", "panel_gemm.h", "quant_gemm.h", "spin_barrier.h")
+    for name in (
+        "bf16.h",
+        "fast_exp.h",
+        "panel_gemm.h",
+        "quant_gemm.h",
+        "row_ops.h",
+        "spin_barrier.h",
+    )
 )
 # -ffp-contract=fast (gcc's default in GNU C mode, not clang's) fuses the D-loop multiply-adds
 # into FMAs; no -ffast-math, so NaN and inf stay IEEE. -lm goes after the source.

@@ -736,7 +736,7 @@ int decode_narrow_qkv_attention(const DecodeStep *step, const float *x, const Na
                                 float *rows, void *k_cache, void *v_cache, void *out, float scale,
                                 int64_t window, float softcap, int nthreads,
                                 double *projection_seconds) {
-    if (w->k % 32) return -1;
+    if (w->k % QUANT_BLOCK) return -1;
     return qkv_attention(step, x, w->k, NULL, w, w->n, w->bias, rows, k_cache, v_cache, out,
                          scale, window, softcap, nthreads, projection_seconds);
 }

@@ -23,6 +23,7 @@
 
 #include "fast_exp.h"
 #include "quant_gemm.h"
+#include "row_ops.h"
 #include "spin_barrier.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -37,7 +38,7 @@
 #endif
 #endif
 
-#define BLOCK 32
+#define BLOCK QUANT_BLOCK
 #define GROUP 8
 #define QUADS (BLOCK / 4)
 #define ROWS 4
@@ -397,24 +398,6 @@ int quant_gemm(int format, const float *x, int64_t m, int64_t k, const uint8_t *
     return 0;
 }
 
-/* x [m, hidden] += delta; h = x / rms(x) * weight for rows first, first + step, ... (the lean
- * forward's add_rms_norm, fused_ops.c, in fp32). */
-static void add_rms_norm_rows(float *x, const float *delta, const float *weight, float eps,
-                              int64_t m, int64_t hidden, float *h, int64_t first, int64_t step) {
-    for (int64_t r = first; r < m; r += step) {
-        float *row = x + r * hidden;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < hidden; i++) {
-            row[i] += delta[r * hidden + i];
-            sum += row[i] * row[i];
-        }
-        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; i++) h[r * hidden + i] = row[i] * inv * weight[i];
-    }
-}
-
 /* A decode layer's block after attention on narrow weights, in one parallel region of nthreads:
  * x [m, hidden] += o(attn [m, o.k]); h = rms_norm(x) * norm_weight; delta [m, hidden] =
  * down(silu(gate(h)) * up(h)), gate_up the [gate; up] weight (n = 2 down.k, down.k % 8 == 0). The
@@ -440,7 +423,8 @@ int quant_mlp_block(const NarrowLinear *o, const float *attn, float *x, const fl
         spin_barrier(&arrived[0], team);
         quant_gemm_shared(o, rows, m, o_out);
         spin_barrier(&arrived[1], team);
-        add_rms_norm_rows(x, o_out, norm_weight, eps, m, hidden, h, me, team);
+        for (int64_t r = me; r < m; r += team)
+            add_rms_norm_row(x, o_out, norm_weight, h, r, hidden, eps, 0);
         quant_rows_fill(h, m, hidden, rows, me, team);
         spin_barrier(&arrived[2], team);
         shared_tiles(gate_up, rows, m, act, 1);

@@ -4,8 +4,10 @@
 #define MODELYARD_QUANT_GEMM_H
 #include <stdint.h>
 
+#define QUANT_BLOCK 32 /* inputs per block of a weight row and of the quantised activations */
+
 /* One row of activations quantised: q [k] int8 and u [k] = q + 128 as unsigned bytes, d [nb]
- * scales, s [nb] = d * sum(q) per block of 32. */
+ * scales, s [nb] = d * sum(q) per block of QUANT_BLOCK. */
 typedef struct {
     int8_t *q;
     uint8_t *u;
