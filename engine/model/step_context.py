@@ -12,12 +12,13 @@ import torch
 from engine.model.attention.backends import paged_attention
 from engine.model.attention.metadata import AttentionMetadata
 from engine.model.cpu.attention import fused_decode_step
+from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
+from engine.model.cpu.kernels.paged_decode import DecodeStep
 from engine.model.cpu.kernels.panel_gemm import PanelOperands
-from engine.model.cpu.kernels.quant_gemm import NarrowOperands
 from engine.model.step_profile import ATTENTION, QKV_IN_ATTENTION, StepProfile
 
 # A layer's qkv rows, or the GEMM that computes them inside the attention call.
-QkvRows = torch.Tensor | PanelOperands | NarrowOperands
+QkvRows = torch.Tensor | PanelOperands
 
 
 @dataclass
@@ -72,18 +73,14 @@ class StepContext:
         """For a decode-only step on the C kernels: ``attend(layer, qkv, scale, sliding_window)``
         taking the layer's unrotated qkv rows [B, (Hq + 2 Hkv) * D] and doing rotary (``rotary``:
         cos/sin [B, D]), the cache write and attention in one call, returning [B, Hq, D]. ``qkv``
-        may also be the qkv projection's panel or narrow-weight GEMM
+        may also be the qkv projection's panel GEMM
         (engine.model.cpu.linear.StepGemms.fused_operands), which then runs in the same call; the
         profile books its time inside attention's (QKV_IN_ATTENTION). None: use `attend` (another
         backend, or see engine.model.cpu.attention.fused_decode_step)."""
-        if self.backend != "cpu":
-            return None
-        profile = self.profile
-        step = fused_decode_step(
-            self.meta, self.kv_caches[0][0], rotary, q_heads, dtype, profile is not None
-        )
+        step = self._fused_step(rotary, q_heads, dtype)
         if step is None:
             return None
+        profile = self.profile
 
         def attend(layer: int, qkv: QkvRows, scale: float, window: int | None) -> torch.Tensor:
             k_cache, v_cache = self.kv_caches[layer]
@@ -94,3 +91,37 @@ class StepContext:
             return self._attended(layer, started, out)
 
         return attend
+
+    def decode_layers(
+        self,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        q_heads: int,
+        decoder: NarrowDecoder,
+        x: torch.Tensor,
+        threads: int,
+    ) -> torch.Tensor | None:
+        """For a decode-only step on the C kernels: every layer of ``decoder`` over ``x``
+        [B, hidden] (fp32 embeddings) in one call (NarrowDecoder), returning the last layer's MLP
+        output; the profile books each layer's norm, qkv GEMM and attention as its attention call
+        (the GEMM also as QKV_IN_ATTENTION). None, and x untouched: run the layers one by one."""
+        step = self._fused_step(rotary, q_heads, x.dtype)
+        if step is None or x.dtype != torch.float32:
+            return None
+        profile = self.profile
+        delta, spans = decoder(step, self.kv_caches, x, threads, timed=profile is not None)
+        if profile is not None:
+            for qkv_s, attention_s in spans:
+                profile.add(ATTENTION, attention_s)
+                profile.add(QKV_IN_ATTENTION, qkv_s)
+        self.layers_called.update(range(len(self.kv_caches)))
+        return delta
+
+    def _fused_step(
+        self, rotary: tuple[torch.Tensor, torch.Tensor], q_heads: int, dtype: torch.dtype
+    ) -> DecodeStep | None:
+        """The step's fused decode attention (`fused_decode`), None where it does not apply."""
+        if self.backend != "cpu":
+            return None
+        return fused_decode_step(
+            self.meta, self.kv_caches[0][0], rotary, q_heads, dtype, self.profile is not None
+        )

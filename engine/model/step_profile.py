@@ -8,7 +8,9 @@ Spans are paths; a child's time is part of its parent's:
     schedule                    Scheduler.schedule
     batch                       SchedulerOutput.to_step_batch
     forward                     ModelRunner.execute: block copies, metadata, the model's forward
-    forward/attention           every layer's attention call (StepContext)
+    forward/attention           every layer's attention call (StepContext); on narrow weights'
+                                one-call decode steps, each layer's input norm, qkv GEMM and
+                                attention, as the C kernel's thread 0 times them
     forward/attention/qkv_gemm  the qkv projection run inside a fused decode attention call (timed
                                 by the C kernel up to its barrier: engine/model/cpu/kernels)
     sample                      Sampler

@@ -1,6 +1,7 @@
 """The fused decode step (paged_decode.DecodeStep) against torch: K/V cache writes from
-strided qkv rows, rotary applied in the step, and the qkv GEMM (fp32 panels or narrow weights)
-run in the attention's parallel region, bit for bit, its time reported only when asked."""
+strided qkv rows, rotary applied in the step, and the qkv panel GEMM run in the attention's
+parallel region, bit for bit, its time reported only when asked (narrow-weight layers:
+test_cpu_narrow_decode)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ import torch
 
 from engine.model.attention import torch_reference
 from engine.model.attention.torch_reference import write_kv_cache_torch
-from engine.model.cpu.kernels import build, paged_decode, panel_gemm, quant_gemm
-from engine.model.cpu.kernels.quant_gemm import NarrowOperands
-from engine.model.cpu.quant_formats import quantize
+from engine.model.cpu.kernels import build, paged_decode, panel_gemm
 from tests.engine.test_attention import make_batch
 from tests.engine.test_cpu_decode_kernel import ATOL, RAGGED
 from tests.engine.test_cpu_fused_ops import rotate_reference
@@ -92,18 +91,16 @@ def test_fused_decode_step_rotates_writes_and_attends(
 NO_PANELS = panel_gemm.pack(torch.zeros(1, 1)) is None
 
 
-@pytest.mark.parametrize("projection", ["panel", "int8", "int4"])
+@pytest.mark.skipif(NO_PANELS, reason="no AVX-512: no panel GEMM here")
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("step_threads", "gemm_threads"), [(2, 2), (1, 2), (2, 1)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_projection_in_the_attention_region_equals_the_two_calls(
-    projection, kv_dtype, step_threads, gemm_threads, bias
+    kv_dtype, step_threads, gemm_threads, bias
 ):
-    """A DecodeStep call given the qkv GEMM, on fp32 panels or narrow weights (run with the
-    attention in one parallel region), writes the same qkv rows, K/V slots and output as the GEMM
-    followed by a call on its rows, bit for bit; attention sized for one thread included."""
-    if projection == "panel" and NO_PANELS:
-        pytest.skip("no AVX-512: no panel GEMM here")
+    """A DecodeStep call given the qkv panel GEMM (run with the attention in one parallel region)
+    writes the same qkv rows, K/V slots and output as the GEMM followed by a call on its rows,
+    bit for bit; attention sized for one thread included."""
     q_heads, kv_heads, head_dim, hidden = 9, 3, 64, 96
     batch = make_batch(
         [1] * len(RAGGED), RAGGED, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -116,16 +113,9 @@ def test_projection_in_the_attention_region_equals_the_two_calls(
     x = torch.randn(len(RAGGED), hidden, generator=generator)
     angles = torch.rand(len(RAGGED), head_dim // 2, generator=generator) * 6
     angles = torch.cat((angles, angles), dim=-1)
-    if projection == "panel":
-        packed = panel_gemm.pack(weight)
-        qkv = panel_gemm.linear(x, packed, width, b, gemm_threads)
-        operands = (x, packed, width, b, torch.full_like(qkv, float("nan")), gemm_threads)
-    else:
-        lib = quant_gemm.library()
-        packed = quant_gemm.pack(lib, quantize(weight, projection))
-        qkv = quant_gemm.gemm(lib, projection, x, packed, width, b, gemm_threads)
-        linear = quant_gemm.narrow_linear(projection, packed, width, hidden, b)
-        operands = NarrowOperands(x, linear, torch.full_like(qkv, float("nan")), gemm_threads)
+    packed = panel_gemm.pack(weight)
+    qkv = panel_gemm.linear(x, packed, width, b, gemm_threads)
+    operands = (x, packed, width, b, torch.full_like(qkv, float("nan")), gemm_threads)
     caches = [batch.k_cache.to(kv_dtype), batch.v_cache.to(kv_dtype)]
     expected_caches = [c.clone() for c in caches]
     step = paged_decode.DecodeStep(

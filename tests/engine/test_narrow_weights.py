@@ -14,8 +14,8 @@ from engine.errors import ModelLoadError
 from engine.model.cpu import narrow_cache
 from engine.model.cpu.fast_path import prepare_cpu_fast_path
 from engine.model.cpu.kernels import quant_gemm
+from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
 from engine.model.cpu.lean_forward import LeanLlamaForward
-from engine.model.cpu.linear import StepGemms
 from engine.model.cpu.narrow_weights import check_quantization
 from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
 from engine.model.cpu.quantize import GgufBlocks
@@ -95,31 +95,24 @@ def test_hf_folders_stay_dense_unless_asked(tiny_llama_dir):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_the_engine_generates_on_narrow_weights(tiny_llama_dir, fmt, monkeypatch):
     """The engine on narrow weights, lean forward and paged attention included, gives the tokens
-    the same narrow model gives through transformers' own forward (greedy); its layers after
-    attention run as one call each (quant_gemm.mlp_block) and its decode steps' qkv GEMMs inside
-    the attention call (NarrowOperands)."""
-    calls = {"mlp_block": 0, "narrow_qkv": 0}
-    mlp_block, fused_operands = quant_gemm.mlp_block, StepGemms.fused_operands
+    the same narrow model gives through transformers' own forward (greedy); its decode steps run
+    every layer in one call (NarrowDecoder), the prefill layer by layer."""
+    calls = {"decoder": 0}
+    decode = NarrowDecoder.__call__
 
-    def counted_block(*args):
-        calls["mlp_block"] += 1
-        return mlp_block(*args)
+    def counted_decode(self, *args, **kwargs):
+        calls["decoder"] += 1
+        return decode(self, *args, **kwargs)
 
-    def counted_operands(self, linear, x):
-        operands = fused_operands(self, linear, x)
-        calls["narrow_qkv"] += isinstance(operands, quant_gemm.NarrowOperands)
-        return operands
-
-    monkeypatch.setattr(quant_gemm, "mlp_block", counted_block)
-    monkeypatch.setattr(StepGemms, "fused_operands", counted_operands)
+    monkeypatch.setattr(NarrowDecoder, "__call__", counted_decode)
     llm = LLM(str(tiny_llama_dir), quantization=fmt, num_threads=2)
     runner = llm.engine.runner
     assert runner.cpu.narrow is not None and runner.lean is not None
     prompt = [5, 9, 17, 33, 2, 11]
     params = SamplingParams(max_tokens=8, temperature=0.0)
+    calls["decoder"] = 0  # not the load's probe
     out = llm.generate([prompt], params)[0].outputs[0].token_ids
-    layers = runner.model.config.num_hidden_layers
-    assert calls["mlp_block"] >= 8 * layers and calls["narrow_qkv"] >= 7 * layers
+    assert calls["decoder"] == 7  # the 7 decode steps after the prompt's
     reference, _ = _prepared(str(tiny_llama_dir), fmt)  # the same weights, own attention
     ids = torch.tensor([prompt])
     expected = []

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.model.cpu.kernels.fused_ops import FusedOps, StepOps
+from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
 from engine.model.cpu.linear import FusedMember, PrepackedLinear, StepGemms
 from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
 
@@ -37,7 +38,7 @@ _LLAMA_BLOCK = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention
 
 
 @dataclass
-class _Layer:
+class LlamaLayer:
     """The pieces of one decoder layer the lean forward calls."""
 
     input_norm: tuple[torch.Tensor, float]
@@ -69,6 +70,11 @@ class LeanLlamaForward:
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.layers = [_layer(layer) for layer in inner.layers]
         self.mlp_width = self.layers[0].down.in_features
+        # decode steps on narrow weights: every layer in one C call
+        self.narrow: NarrowDecoder | None = None
+        if all(isinstance(m, QuantizedLinear) for layer in self.layers for m in _linears(layer)):
+            qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            self.narrow = NarrowDecoder.build(self.layers, qkv_width)
         dtype = getattr(self.embed, "dtype", None) or self.embed.weight.dtype
         self.ops = FusedOps(dtype, self.final_norm[0].device)
 
@@ -103,14 +109,16 @@ class LeanLlamaForward:
         tokens = x.shape[0]
         q_width = self.num_heads * self.head_dim
         qk_heads = self.num_heads + self.num_kv_heads
-        # decode steps on the C kernels: one call per layer instead of rope + write + attend
-        fused = None
-        if ops.uses_kernels:  # rotary is in the kernels' form
-            fused = attention.fused_decode(rotary, self.num_heads, x.dtype)
-        step_ops = StepOps(ops, x, self.mlp_width)
         gemms = StepGemms(tokens)
         delta = None  # the previous block's output, added to x by the next norm
-        for index, layer in enumerate(self.layers):
+        fused = None
+        if ops.uses_kernels and self.narrow is not None:  # rotary is in the kernels' form
+            delta = attention.decode_layers(rotary, self.num_heads, self.narrow, x, gemms.threads)
+        # other decode steps on the C kernels: one call per layer for rope + write + attend
+        if ops.uses_kernels and delta is None:
+            fused = attention.fused_decode(rotary, self.num_heads, x.dtype)
+        step_ops = StepOps(ops, x, self.mlp_width)
+        for index, layer in enumerate(self.layers if delta is None else ()):
             h = step_ops.add_rms_norm(delta, *layer.input_norm)
             if fused is not None:  # with the projection where the kernel can run it too
                 qkv = gemms.fused_operands(layer.qkv, h) or gemms(layer.qkv, h)
@@ -129,12 +137,8 @@ class LeanLlamaForward:
                     None,
                 )
             attn = attn.reshape(tokens, q_width)
-            delta = gemms.narrow_block(
-                layer.o_proj, attn, x, layer.post_norm, layer.gate_up, layer.down
-            )
-            if delta is None:
-                h = step_ops.add_rms_norm(gemms(layer.o_proj, attn), *layer.post_norm)
-                delta = gemms(layer.down, gemms.silu_mul(layer.gate_up, h, step_ops.silu_mul))
+            h = step_ops.add_rms_norm(gemms(layer.o_proj, attn), *layer.post_norm)
+            delta = gemms(layer.down, gemms.silu_mul(layer.gate_up, h, step_ops.silu_mul))
         if sample_rows is None:
             return None
         rows = x.index_select(0, sample_rows)  # a copy: the norm's in-place add stays local
@@ -174,7 +178,7 @@ def _rotary_of(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], tupl
     return _RotaryTable(module)
 
 
-def _layer(layer: nn.Module) -> _Layer:
+def _layer(layer: nn.Module) -> LlamaLayer:
     if {name for name, _ in layer.named_children()} != _LLAMA_BLOCK:
         raise TypeError("not the plain Llama block")
     attn, mlp = layer.self_attn, layer.mlp
@@ -182,7 +186,7 @@ def _layer(layer: nn.Module) -> _Layer:
         raise TypeError("projections are not fused")
     if hasattr(attn, "q_norm") or type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
         raise TypeError("not the plain Llama block")
-    return _Layer(
+    return LlamaLayer(
         input_norm=_norm_params(layer.input_layernorm),
         qkv=attn.q_proj.fused.gemm,
         o_proj=_prepacked(attn.o_proj),
@@ -192,6 +196,10 @@ def _layer(layer: nn.Module) -> _Layer:
         scale=float(attn.scaling),
         sliding_window=getattr(attn, "sliding_window", None),
     )
+
+
+def _linears(layer: LlamaLayer) -> tuple[Linear, ...]:
+    return layer.qkv, layer.o_proj, layer.gate_up, layer.down
 
 
 def _prepacked(module: nn.Module) -> Linear:

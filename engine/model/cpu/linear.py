@@ -21,10 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.cpu.huge_pages import HugePageArena
-from engine.model.cpu.kernels import panel_gemm, quant_gemm
+from engine.model.cpu.kernels import panel_gemm
 from engine.model.cpu.kernels.panel_gemm import PanelOperands
-from engine.model.cpu.kernels.quant_gemm import NarrowOperands
-from engine.model.cpu.quant_linear import QuantizedLinear
 from engine.model.cpu.threads import all_threads, release
 
 
@@ -128,16 +126,15 @@ class StepGemms:
     docs/PERFORMANCE.md#per-op-overhead). A returned tensor is overwritten by the next call of
     the same width and kind, so the caller consumes each one first (the lean forward does). Rows
     over panel_gemm.MAX_ROWS, inputs not [rows, in_features] contiguous fp32 and linears without
-    panels take the module call; so do narrow-weight linears, except where a kernel runs them
-    (`fused_operands`, `narrow_block`)."""
+    panels take the module call; so do narrow-weight linears (a decode step's run in one call:
+    engine.model.cpu.kernels.narrow_decode)."""
 
     def __init__(self, rows: int, threads: int | None = None) -> None:
         """``threads``: the GEMMs' team; by default the current split's (threads.split_threads),
         else torch's count, as PrepackedLinear uses."""
         self._rows = rows
-        self._threads = threads or all_threads() or torch.get_num_threads()
+        self.threads = threads or all_threads() or torch.get_num_threads()
         self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
-        self._block: tuple[torch.Tensor, ...] | None = None  # narrow_block's buffers
 
     def __call__(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not self._on_panels(linear, x):
@@ -156,61 +153,15 @@ class StepGemms:
             return self._panel_gemm(gate_up, x, gated=True)
         return activation(self(gate_up, x))
 
-    def fused_operands(
-        self, linear: nn.Module, x: torch.Tensor
-    ) -> PanelOperands | NarrowOperands | None:
+    def fused_operands(self, linear: nn.Module, x: torch.Tensor) -> PanelOperands | None:
         """What a kernel needs to run ``linear(x)`` itself (inside its own parallel region;
-        output into this pass's buffer of that width): the panel GEMM's operands, or a narrow
-        weight's; None where neither serves it (see the class) or the weight is paired."""
-        if getattr(linear, "paired", True):
+        output into this pass's buffer of that width): the panel GEMM's operands; None where the
+        panels do not serve it (see the class) or the weight is paired."""
+        if getattr(linear, "paired", True) or not self._on_panels(linear, x):
             return None
         width = linear.out_features
-        if isinstance(linear, QuantizedLinear):
-            if not self._narrow_input(linear, x):
-                return None
-            return NarrowOperands(x, linear.narrow, self._output(width, gated=False), self._threads)
-        if not self._on_panels(linear, x):
-            return None
         out = self._output(width, gated=False)
-        return x, linear.panel_weight, width, linear.bias, out, self._threads
-
-    def narrow_block(
-        self,
-        o_proj: nn.Module,
-        attn: torch.Tensor,
-        x: torch.Tensor,
-        norm: tuple[torch.Tensor, float],
-        gate_up: nn.Module,
-        down: nn.Module,
-    ) -> torch.Tensor | None:
-        """A layer after attention on narrow weights in one C call: ``x += o_proj(attn)``, then
-        ``down(silu(gate(h)) * up(h))`` with ``h = rms_norm(x) * weight`` (``norm``: weight,
-        eps), as the lean forward computes it with separate calls; None where the linears are
-        not narrow ones this serves (the caller makes those calls)."""
-        linears = (o_proj, gate_up, down)
-        if not (
-            all(isinstance(m, QuantizedLinear) for m in linears)
-            and gate_up.paired
-            and self._narrow_input(o_proj, attn)
-            and self._narrow_input(gate_up, x)
-            and norm[0].dtype == torch.float32
-        ):
-            return None
-        if self._block is None:  # o_proj's output, h, the activation, the block's output
-            widths = (x.shape[1], x.shape[1], down.in_features, x.shape[1])
-            self._block = tuple(torch.empty((self._rows, w)) for w in widths)
-        *scratch, delta = self._block
-        return quant_gemm.mlp_block(
-            o_proj._lib, o_proj.narrow, attn, x, norm, gate_up.narrow, down.narrow, scratch,
-            delta, self._threads,
-        )  # fmt: skip
-
-    def _narrow_input(self, linear: QuantizedLinear, x: torch.Tensor) -> bool:
-        return (
-            x.shape == (self._rows, linear.in_features)
-            and x.dtype == torch.float32
-            and x.is_contiguous()
-        )
+        return x, linear.panel_weight, width, linear.bias, out, self.threads
 
     def _on_panels(self, linear: nn.Module, x: torch.Tensor) -> bool:
         return (
@@ -223,7 +174,7 @@ class StepGemms:
 
     def _panel_gemm(self, linear: PrepackedLinear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         width = linear.out_features // 2 if gated else linear.out_features
-        return linear.on_panels(x, self._threads, self._output(width, gated), gated)
+        return linear.on_panels(x, self.threads, self._output(width, gated), gated)
 
     def _output(self, width: int, gated: bool) -> torch.Tensor:
         out = self._outputs.get((width, gated))

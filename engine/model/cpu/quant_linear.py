@@ -40,20 +40,13 @@ class QuantizedLinear(nn.Module):
         )
         self._lib = lib
         self.paired = paired
-        self._narrow: tuple[tuple[int, int | None], object] | None = None
 
-    @property
-    def narrow(self) -> object:
-        """This GEMM for kernels that run it inside their own parallel region (quant_gemm's
-        NarrowLinear by reference); rebuilt when the weights moved (parking repoints them)."""
-        bias = self.bias
-        at = (self.packed.data_ptr(), None if bias is None else bias.data_ptr())
-        if self._narrow is None or self._narrow[0] != at:
-            linear = quant_gemm.narrow_linear(
-                self.fmt, self.packed, self.out_features, self.in_features, bias
-            )
-            self._narrow = (at, linear)
-        return self._narrow[1]
+    def narrow(self) -> quant_gemm.NarrowLinear:
+        """This GEMM for kernels that run it inside their own parallel region: pointers into
+        this module's tensors, valid until they move (parking repoints them)."""
+        return quant_gemm.narrow_linear(
+            self.fmt, self.packed, self.out_features, self.in_features, self.bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -35,13 +35,21 @@ log = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("isa.c", "paged_decode.c", "fused_ops.c", "panel_gemm.c", "quant_gemm.c")
+    for name in (
+        "isa.c",
+        "paged_decode.c",
+        "fused_ops.c",
+        "panel_gemm.c",
+        "quant_gemm.c",
+        "narrow_decode.c",
+    )
 )
 _HEADERS = tuple(
     Path(__file__).with_name(name)
     for name in (
         "bf16.h",
         "fast_exp.h",
+        "paged_decode.h",
         "panel_gemm.h",
         "quant_gemm.h",
         "row_ops.h",
@@ -184,9 +192,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     fused.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64]
     fused.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
     fused.restype = ctypes.c_int
-    narrow = lib.decode_narrow_qkv_attention  # the NarrowLinear by reference (quant_gemm.py)
-    narrow.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i64, ctypes.c_float]
-    narrow.argtypes += [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+    narrow = lib.decode_narrow_layers  # its structs: narrow_decode.py
+    narrow.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ptr]
     narrow.restype = ctypes.c_int
     for suffix in DTYPE_SUFFIXES.values():
         norm, rope = getattr(lib, "add_rms_norm_" + suffix), getattr(lib, "rope_" + suffix)

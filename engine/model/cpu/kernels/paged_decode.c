@@ -29,8 +29,8 @@
 
 #include "bf16.h"
 #include "fast_exp.h"
+#include "paged_decode.h"
 #include "panel_gemm.h"
-#include "quant_gemm.h"
 #include "spin_barrier.h"
 
 #define TILE 16
@@ -458,23 +458,6 @@ static void tile_values(const float *w, int64_t w_stride, const void *v, int64_t
     tile_values_portable(w, w_stride, v, rs, n, group, head_dim, out, next);
 }
 
-/* What every layer's decode attention call of one step shares (filled once per step). */
-typedef struct {
-    int64_t batch, q_heads, kv_heads, head_dim, block_size;
-    const int32_t *block_tables; /* [batch, table_stride] */
-    int64_t table_stride;
-    const int32_t *seq_lens; /* context lengths including the current token */
-    /* The fused step: each sequence's row also holds its new token's K and V heads (after the q
-       heads), written at slots[b] before attending. NULL: the pools already hold them. */
-    const int64_t *slots;
-    /* fp32 rotary tables [batch, head_dim] applied to the row's q and k heads first; NULL: the
-       rows are rotated already. */
-    const float *cos, *sin;
-    int kv_bf16;  /* the pools hold bfloat16, else fp32 */
-    int act_bf16; /* rows and output are bfloat16 (a bf16 model's activations), else fp32 */
-    int nthreads;
-} DecodeStep;
-
 /* head_dim elements of a row (fp32, or bf16 widened) at element offset `at`, into dst. */
 static inline void load_head(const void *row, int bf16, int64_t at, int64_t head_dim, float *dst) {
     if (!bf16) {
@@ -677,68 +660,48 @@ int paged_decode_attention(const DecodeStep *step, const void *rows, int64_t row
     return failed ? -1 : 0;
 }
 
-/* A decode layer's qkv projection and attention in one parallel region of nthreads (the GEMM's
- * team): rows = x [batch, k] . W^T (+ bias) with n = (Hq + 2 Hkv) D outputs, into `rows`
- * [batch, n] (fp32 activations), then paged_decode_attention over them (step->slots and the rotary
- * tables set: the call writes the new K/V). W is packed for the panel GEMM (panel, panel_gemm.c)
- * or narrow (narrow, quant_gemm.c; x is quantised first). A separate attention region costs a
- * wake-up of the team's sleeping threads per layer with passive waiting; inside the projection's
- * region they go on to the attention after a spin barrier (figures:
- * docs/PERFORMANCE.md#fused-qkv-and-attention). Attention sized for one thread (step->nthreads)
- * stays on the caller's. projection_seconds, when not NULL, receives the time from the call's
- * start to the barrier (the projection, the team's wake-up included) for the step profile
- * (engine/model/step_profile.py). Returns as paged_decode_attention. */
-static int qkv_attention(const DecodeStep *step, const float *x, int64_t k, const float *panel,
-                         const NarrowLinear *narrow, int64_t n, const float *bias, float *rows,
-                         void *k_cache, void *v_cache, void *out, float scale, int64_t window,
-                         float softcap, int nthreads, double *projection_seconds) {
-    QuantRow *quantized = narrow ? quant_rows_alloc(step->batch, k) : NULL;
-    if (narrow && quantized == NULL) return -1;
-    int failed = 0, arrived[2] = {0, 0};
-    const double started = projection_seconds ? omp_get_wtime() : 0.0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        const int team = omp_get_num_threads();
-        if (narrow) {
-            quant_rows_fill(x, step->batch, k, quantized, omp_get_thread_num(), team);
-            spin_barrier(&arrived[0], team);
-            quant_gemm_shared(narrow, quantized, step->batch, rows);
-        } else {
-            panel_gemm_shared(x, step->batch, k, panel, n, 0, 0, bias, rows);
-        }
-        spin_barrier(&arrived[1], team);
-        if (projection_seconds && omp_get_thread_num() == 0)
-            *projection_seconds = omp_get_wtime() - started;
-        int status = 0;
-        if (step->nthreads > 1)
-            status = attention_tasks(step, rows, n, k_cache, v_cache, out, scale, window, softcap);
-        else if (omp_get_thread_num() == 0)
-            status = paged_decode_attention(step, rows, n, k_cache, v_cache, out, scale, window,
-                                            softcap);
-        if (status) {
-#pragma omp atomic write
-            failed = 1;
-        }
-    }
-    free(quantized);
-    return failed ? -1 : 0;
+int decode_attention_shared(const DecodeStep *step, const void *rows, int64_t row_stride,
+                            void *k_cache, void *v_cache, void *out, float scale, int64_t window,
+                            float softcap) {
+    if (step->nthreads > 1)
+        return attention_tasks(step, rows, row_stride, k_cache, v_cache, out, scale, window,
+                               softcap);
+    if (omp_get_thread_num() == 0) /* a nested region: runs on this thread alone */
+        return paged_decode_attention(step, rows, row_stride, k_cache, v_cache, out, scale,
+                                      window, softcap);
+    return 0;
 }
 
+/* A decode layer's qkv projection and attention in one parallel region of nthreads (the GEMM's
+ * team): rows = x [batch, k] . W^T (+ bias) with n = (Hq + 2 Hkv) D outputs, W packed for the
+ * panel GEMM (panel_gemm.c), into `rows` [batch, n] (fp32 activations), then
+ * paged_decode_attention over them (step->slots and the rotary tables set: the call writes the
+ * new K/V). A separate attention region costs a wake-up of the team's sleeping threads per layer
+ * with passive waiting; inside the projection's region they go on to the attention after a spin
+ * barrier (figures: docs/PERFORMANCE.md#fused-qkv-and-attention). Attention sized for one thread
+ * (step->nthreads) stays on the caller's. projection_seconds, when not NULL, receives the time
+ * from the call's start to the barrier (the projection, the team's wake-up included) for the step
+ * profile (engine/model/step_profile.py). Returns as paged_decode_attention. Narrow-weight
+ * layers run whole in narrow_decode.c. */
 int decode_qkv_attention(const DecodeStep *step, const float *x, int64_t k, const float *packed,
                          int64_t n, const float *bias, float *rows, void *k_cache, void *v_cache,
                          void *out, float scale, int64_t window, float softcap, int nthreads,
                          double *projection_seconds) {
-    return qkv_attention(step, x, k, packed, NULL, n, bias, rows, k_cache, v_cache, out, scale,
-                         window, softcap, nthreads, projection_seconds);
-}
-
-int decode_narrow_qkv_attention(const DecodeStep *step, const float *x, const NarrowLinear *w,
-                                float *rows, void *k_cache, void *v_cache, void *out, float scale,
-                                int64_t window, float softcap, int nthreads,
-                                double *projection_seconds) {
-    if (w->k % QUANT_BLOCK) return -1;
-    return qkv_attention(step, x, w->k, NULL, w, w->n, w->bias, rows, k_cache, v_cache, out,
-                         scale, window, softcap, nthreads, projection_seconds);
+    int failed = 0, arrived = 0;
+    const double started = projection_seconds ? omp_get_wtime() : 0.0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        panel_gemm_shared(x, step->batch, k, packed, n, 0, 0, bias, rows);
+        spin_barrier(&arrived, omp_get_num_threads());
+        if (projection_seconds && omp_get_thread_num() == 0)
+            *projection_seconds = omp_get_wtime() - started;
+        if (decode_attention_shared(step, rows, n, k_cache, v_cache, out, scale, window,
+                                    softcap)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    return failed ? -1 : 0;
 }
 
 /* The bytes a decode step's attention reads, read and nothing else: for every layer (pools

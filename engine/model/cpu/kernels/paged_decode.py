@@ -15,7 +15,6 @@ import torch
 
 from engine.model.cpu.kernels.build import load
 from engine.model.cpu.kernels.panel_gemm import PanelOperands
-from engine.model.cpu.kernels.quant_gemm import NarrowOperands
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -110,6 +109,12 @@ class DecodeStep:
         self._projection_s_ref = ctypes.byref(self._projection_s) if time_projection else None
 
     @property
+    def layout(self) -> object:
+        """The C struct of the step, by reference, for kernels that run its attention themselves
+        (narrow_decode)."""
+        return self._ref
+
+    @property
     def projection_s(self) -> float:
         """Seconds the last call's qkv projection took (time_projection, a call given the GEMM),
         from the call's start to the barrier after it: the team's wake-up included."""
@@ -117,7 +122,7 @@ class DecodeStep:
 
     def __call__(
         self,
-        rows: torch.Tensor | PanelOperands | NarrowOperands,
+        rows: torch.Tensor | PanelOperands,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
@@ -125,20 +130,14 @@ class DecodeStep:
         softcap: float | None,
     ) -> torch.Tensor:
         """One layer: rows [B, W] with unit stride (the q heads first, then the new K and V heads
-        when the step writes them), or the panel or narrow-weight GEMM that computes them from the
-        layer's input (fp32; engine.model.cpu.linear.StepGemms.fused_operands), which then runs in
-        the attention's parallel region (of the GEMM's threads) and writes its output buffer;
+        when the step writes them), or the panel GEMM that computes them from the layer's input
+        (fp32; engine.model.cpu.linear.StepGemms.fused_operands), which then runs in the
+        attention's parallel region (of the GEMM's threads) and writes its output buffer;
         returns [B, Hq, D], a buffer of this step that the next call overwrites."""
         tail = (k_cache.data_ptr(), v_cache.data_ptr(), self._out_ptr, scale)
         tail += (sliding_window or 0, softcap or 0.0)
         if isinstance(rows, torch.Tensor):
             status = self._fn(self._ref, rows.data_ptr(), rows.stride(0), *tail)
-        elif isinstance(rows, NarrowOperands):
-            x, linear, out, threads = rows
-            status = self._lib.decode_narrow_qkv_attention(
-                self._ref, x.data_ptr(), linear, out.data_ptr(), *tail, threads,
-                self._projection_s_ref,
-            )  # fmt: skip
         else:
             x, packed, width, bias, out, threads = rows
             bias_ptr = None if bias is None else bias.data_ptr()

@@ -16,15 +16,12 @@
  * each weight load. The dots run on vpdpbusd (AVX512-VNNI on 256-bit vectors, or AVX-VNNI),
  * AVX2 (vpmaddubsw + vpmaddwd) or plain C, as the build's target allows (kernels/build.py). */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fast_exp.h"
 #include "quant_gemm.h"
-#include "row_ops.h"
-#include "spin_barrier.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -288,8 +285,6 @@ static void group_out(const NarrowLinear *w, int64_t g, const QuantRow *x, int64
     }
 }
 
-static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-
 static inline int row_chunk(int64_t m, int64_t r0) { return m - r0 < ROWS ? (int)(m - r0) : ROWS; }
 
 static inline float bias_of(const NarrowLinear *w, int64_t c) {
@@ -332,12 +327,15 @@ static void gated_tile(const NarrowLinear *w, int64_t g0, int64_t g1, const Quan
 }
 
 /* The tiles of groups [0, groups) of GROUPS_PER_TILE each, shared over the calling team; gated:
- * gated_tile's, over the gate half's groups. */
+ * gated_tile's, over the gate half's groups. Guided: each thread takes long runs of consecutive
+ * tiles, one sequential stream of weights, and the shrinking last runs even out a late thread.
+ * Tiles handed out one by one (dynamic) interleaved the threads every ~7 KB, which broke both
+ * streams: 2 threads then read slower than 1 (docs/PERFORMANCE.md#narrow-weights). */
 static void shared_tiles(const NarrowLinear *w, const QuantRow *x, int64_t m, float *y,
                          int gated) {
     const int64_t groups = gated ? w->n / 2 / GROUP : groups_of(w->n);
     const int64_t tiles = (groups + GROUPS_PER_TILE - 1) / GROUPS_PER_TILE;
-#pragma omp for schedule(dynamic) nowait
+#pragma omp for schedule(guided) nowait
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t g0 = t * GROUPS_PER_TILE;
         const int64_t g1 = g0 + GROUPS_PER_TILE < groups ? g0 + GROUPS_PER_TILE : groups;
@@ -350,6 +348,11 @@ static void shared_tiles(const NarrowLinear *w, const QuantRow *x, int64_t m, fl
 
 void quant_gemm_shared(const NarrowLinear *w, const QuantRow *rows, int64_t m, float *y) {
     shared_tiles(w, rows, m, y, 0);
+}
+
+void quant_gated_shared(const NarrowLinear *gate_up, const QuantRow *rows, int64_t m,
+                        float *act) {
+    shared_tiles(gate_up, rows, m, act, 1);
 }
 
 QuantRow *quant_rows_alloc(int64_t m, int64_t k) {
@@ -393,45 +396,6 @@ int quant_gemm(int format, const float *x, int64_t m, int64_t k, const uint8_t *
             for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, rows[r]);
         }
         quant_gemm_shared(&w, rows, m, y);
-    }
-    free(rows);
-    return 0;
-}
-
-/* A decode layer's block after attention on narrow weights, in one parallel region of nthreads:
- * x [m, hidden] += o(attn [m, o.k]); h = rms_norm(x) * norm_weight; delta [m, hidden] =
- * down(silu(gate(h)) * up(h)), gate_up the [gate; up] weight (n = 2 down.k, down.k % 8 == 0). The
- * team syncs on spin barriers between the GEMMs, where separate calls cost a wake-up of its
- * sleeping threads each, and the Python between them more (docs/PERFORMANCE.md#narrow-weights).
- * Scratch: o_out [m, hidden], h [m, hidden], act [m, down.k]. Returns 0, or -1 when out of
- * memory or a shape does not fit. */
-int quant_mlp_block(const NarrowLinear *o, const float *attn, float *x, const float *norm_weight,
-                    float eps, const NarrowLinear *gate_up, const NarrowLinear *down, float *o_out,
-                    float *h, float *act, float *delta, int64_t m, int nthreads) {
-    const int64_t hidden = o->n, width = down->k;
-    const int64_t widest = max64(o->k, max64(hidden, width)); /* the inputs the rows hold */
-    if (m <= 0 || o->k % BLOCK || hidden % BLOCK || width % BLOCK || gate_up->k != hidden ||
-        gate_up->n != 2 * width || down->n != hidden)
-        return m == 0 ? 0 : -1;
-    QuantRow *rows = quant_rows_alloc(m, widest);
-    if (rows == NULL) return -1;
-    int arrived[5] = {0};
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        const int team = omp_get_num_threads(), me = omp_get_thread_num();
-        quant_rows_fill(attn, m, o->k, rows, me, team);
-        spin_barrier(&arrived[0], team);
-        quant_gemm_shared(o, rows, m, o_out);
-        spin_barrier(&arrived[1], team);
-        for (int64_t r = me; r < m; r += team)
-            add_rms_norm_row(x, o_out, norm_weight, h, r, hidden, eps, 0);
-        quant_rows_fill(h, m, hidden, rows, me, team);
-        spin_barrier(&arrived[2], team);
-        shared_tiles(gate_up, rows, m, act, 1);
-        spin_barrier(&arrived[3], team);
-        quant_rows_fill(act, m, width, rows, me, team);
-        spin_barrier(&arrived[4], team);
-        quant_gemm_shared(down, rows, m, delta);
     }
     free(rows);
     return 0;

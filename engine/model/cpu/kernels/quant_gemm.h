@@ -1,5 +1,5 @@
 /* The narrow-weight GEMM's work-sharing form (quant_gemm.c), for kernels that run it inside their
- * own parallel region (paged_decode.c). */
+ * own parallel region (narrow_decode.c). */
 #ifndef MODELYARD_QUANT_GEMM_H
 #define MODELYARD_QUANT_GEMM_H
 #include <stdint.h>
@@ -35,5 +35,9 @@ void quant_rows_fill(const float *x, int64_t m, int64_t k, QuantRow *rows, int64
 /* y [m, n] = the quantised rows times W^T (+ bias), its tiles shared over the calling team (an
  * orphaned work-sharing loop without a barrier at its end). */
 void quant_gemm_shared(const NarrowLinear *w, const QuantRow *rows, int64_t m, float *y);
+
+/* act [m, width] = silu(gate) * up of a [gate; up] weight (gate_up->n = 2 width, width % 8 == 0:
+ * each gate group beside its up group), shared like quant_gemm_shared. */
+void quant_gated_shared(const NarrowLinear *gate_up, const QuantRow *rows, int64_t m, float *act);
 
 #endif

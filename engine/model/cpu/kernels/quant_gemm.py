@@ -7,7 +7,6 @@ kernel serves every row count: prefill-sized inputs too (it beat dequantising in
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
 
 import torch
 
@@ -33,9 +32,6 @@ def library(isa: str | None = None) -> ctypes.CDLL | None:
         lib.quant_gemm_isa.restype = ctypes.c_char_p
         lib.quant_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
         lib.quant_gemm.restype = ctypes.c_int
-        lib.quant_mlp_block.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr]
-        lib.quant_mlp_block.argtypes += [ptr, ptr, ptr, ptr, i64, ctypes.c_int]
-        lib.quant_mlp_block.restype = ctypes.c_int
         _typed.add(lib._handle)
     return lib
 
@@ -55,22 +51,10 @@ class NarrowLinear(ctypes.Structure):
 
 def narrow_linear(
     fmt: str, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None
-) -> object:
-    """The NarrowLinear of a `pack`ed weight, by reference (valid while the tensors live)."""
+) -> NarrowLinear:
+    """The NarrowLinear of a `pack`ed weight [n, k] (valid while the tensors live)."""
     bias_ptr = None if bias is None else bias.data_ptr()
-    struct = NarrowLinear(FORMAT_CODES[fmt], packed.data_ptr(), n, k, bias_ptr)
-    return ctypes.byref(struct)
-
-
-class NarrowOperands(NamedTuple):
-    """A narrow-weight GEMM for a kernel that runs it inside its own parallel region
-    (engine.model.cpu.linear.StepGemms.fused_operands): input [M, K] (fp32, contiguous), the
-    weight's NarrowLinear (`narrow_linear`), output [M, N], threads."""
-
-    x: torch.Tensor
-    linear: object
-    out: torch.Tensor
-    threads: int
+    return NarrowLinear(FORMAT_CODES[fmt], packed.data_ptr(), n, k, bias_ptr)
 
 
 def isa(lib: ctypes.CDLL) -> str:
@@ -115,30 +99,3 @@ def gemm(
     if status:
         raise MemoryError(f"quant_gemm could not allocate its scratch for {m} x {k} activations")
     return out
-
-
-def mlp_block(
-    lib: ctypes.CDLL,
-    o_proj: object,
-    attn: torch.Tensor,
-    x: torch.Tensor,
-    norm: tuple[torch.Tensor, float],
-    gate_up: object,
-    down: object,
-    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    delta: torch.Tensor,
-    threads: int,
-) -> torch.Tensor:
-    """A decode layer after attention in one C call (quant_mlp_block): ``x += o_proj(attn)``, then
-    ``delta = down(silu(gate(h)) * up(h))`` with ``h = rms_norm(x) * weight`` (``norm``: weight,
-    eps). The linears are NarrowLinears (`narrow_linear`); attn [M, o.k], x and delta
-    [M, hidden], scratch (o output [M, hidden], h [M, hidden], act [M, down.k]) fp32 contiguous."""
-    weight, eps = norm
-    o_out, h, act = scratch
-    status = lib.quant_mlp_block(
-        o_proj, attn.data_ptr(), x.data_ptr(), weight.data_ptr(), eps, gate_up, down,
-        o_out.data_ptr(), h.data_ptr(), act.data_ptr(), delta.data_ptr(), x.shape[0], threads,
-    )  # fmt: skip
-    if status:
-        raise MemoryError(f"quant_mlp_block could not run on {tuple(attn.shape)} activations")
-    return delta

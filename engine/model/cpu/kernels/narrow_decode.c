@@ -1,0 +1,130 @@
+/* A decode step's decoder layers on narrow weights in one call and one parallel region: for each
+ * layer of the plain pre-norm Llama block (engine/model/cpu/lean_forward.py),
+ *
+ *   x += delta; h = rms_norm(x) * input_norm       (delta: the previous layer's MLP output)
+ *   rows = qkv(h); attn = attention(rope(rows))    (writes the token's K/V: paged_decode.c)
+ *   x += o(attn); h = rms_norm(x) * post_norm
+ *   delta = down(silu(gate(h)) * up(h))
+ *
+ * with the GEMMs of quant_gemm.c, activations quantised to int8 row by row on the way in. The
+ * team syncs on spin barriers between the steps. One call per layer and GEMM instead cost a
+ * wake-up of the team's sleeping threads per call (with passive waiting) and the Python between
+ * the calls, which at batch 1 added up to more than streaming the weights (figures:
+ * docs/PERFORMANCE.md#narrow-weights). */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "paged_decode.h"
+#include "quant_gemm.h"
+#include "row_ops.h"
+#include "spin_barrier.h"
+
+/* One decoder layer on narrow weights; gate_up is the MLP's [gate; up] (n = 2 down.k). */
+typedef struct {
+    const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
+    float input_eps, post_eps;
+    NarrowLinear qkv, o, gate_up, down;
+    float scale;    /* attention's score scale */
+    int64_t window; /* sliding window; 0: none */
+} NarrowLayer;
+
+/* The step's fp32 activations, [batch, width] each. x: the residual stream (the embeddings in;
+ * out, the last layer's stream before its MLP output is added); delta: out, the last layer's MLP
+ * output, which the final norm adds to x. The others are scratch: qkv rows, attention output,
+ * o's output, the normed rows, the MLP's activation. */
+typedef struct {
+    float *x, *delta, *qkv, *attn, *o_out, *h, *act;
+} NarrowActivations;
+
+/* Thread 0's clock per layer, for the step profile: seconds from the layer's start to the end of
+ * the qkv GEMM and of attention (the team's wake-up is in the first layer's). */
+enum { SPAN_QKV, SPAN_ATTENTION, SPANS };
+
+/* The spin barriers of one layer (each counter is used once). */
+#define LAYER_BARRIERS 9
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static int shapes_fit(const DecodeStep *step, const NarrowLayer *layers, int64_t count) {
+    const int64_t hidden = layers[0].o.n, q_width = step->q_heads * step->head_dim;
+    const int64_t qkv_width = q_width + 2 * step->kv_heads * step->head_dim;
+    for (int64_t l = 0; l < count; l++) {
+        const NarrowLayer *L = &layers[l];
+        const int64_t width = L->down.k;
+        if (L->qkv.k != hidden || L->qkv.n != qkv_width || L->o.k != q_width ||
+            L->o.n != hidden || L->gate_up.k != hidden || L->gate_up.n != 2 * width ||
+            L->down.n != hidden || L->down.k != layers[0].down.k || hidden % QUANT_BLOCK ||
+            q_width % QUANT_BLOCK || width % QUANT_BLOCK)
+            return 0;
+    }
+    return 1;
+}
+
+/* Rows me, me + team, ... of x: x += delta (when given), h = rms_norm(x) * weight, h quantised
+ * into rows. */
+static void norm_rows(float *x, const float *delta, const float *weight, float eps, float *h,
+                      QuantRow *rows, int64_t m, int64_t hidden, int me, int team) {
+    for (int64_t r = me; r < m; r += team) add_rms_norm_row(x, delta, weight, h, r, hidden, eps, 0);
+    quant_rows_fill(h, m, hidden, rows, me, team);
+}
+
+/* Every layer of `layers` (count of them) for a decode-only step (step->slots and the rotary
+ * tables set; fp32 activations), pools [K0, V0, K1, V1, ...] the layers' KV pools, on nthreads
+ * threads (attention on step->nthreads of them). seconds: NULL, or [count][SPANS] filled as the
+ * enum above says. Returns 0, or -1 when a shape does not fit or memory ran out (the activations
+ * are then incomplete). */
+int decode_narrow_layers(const DecodeStep *step, const NarrowLayer *layers, int64_t count,
+                         void *const *pools, const NarrowActivations *a, int nthreads,
+                         double *seconds) {
+    const int64_t m = step->batch;
+    if (m <= 0 || count <= 0) return m == 0 || count == 0 ? 0 : -1;
+    if (step->act_bf16 || !shapes_fit(step, layers, count)) return -1;
+    const int64_t hidden = layers[0].o.n, q_width = layers[0].o.k, width = layers[0].down.k;
+    const int64_t qkv_width = layers[0].qkv.n;
+    QuantRow *rows = quant_rows_alloc(m, max64(hidden, max64(q_width, width)));
+    int *arrived = calloc((size_t)(count * LAYER_BARRIERS), sizeof(int));
+    int failed = rows == NULL || arrived == NULL;
+    if (!failed) {
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+        {
+            const int team = omp_get_num_threads(), me = omp_get_thread_num();
+            for (int64_t l = 0; l < count; l++) {
+                const NarrowLayer *L = &layers[l];
+                int *barrier = arrived + l * LAYER_BARRIERS;
+                double *clock = seconds && me == 0 ? seconds + l * SPANS : NULL;
+                const double started = clock ? omp_get_wtime() : 0.0;
+                norm_rows(a->x, l ? a->delta : NULL, L->input_norm, L->input_eps, a->h, rows, m,
+                          hidden, me, team);
+                spin_barrier(&barrier[0], team);
+                quant_gemm_shared(&L->qkv, rows, m, a->qkv);
+                spin_barrier(&barrier[1], team);
+                if (clock) clock[SPAN_QKV] = omp_get_wtime() - started;
+                if (decode_attention_shared(step, a->qkv, qkv_width, pools[2 * l],
+                                            pools[2 * l + 1], a->attn, L->scale, L->window,
+                                            0.0f)) {
+#pragma omp atomic write
+                    failed = 1;
+                }
+                spin_barrier(&barrier[2], team);
+                if (clock) clock[SPAN_ATTENTION] = omp_get_wtime() - started;
+                quant_rows_fill(a->attn, m, q_width, rows, me, team);
+                spin_barrier(&barrier[3], team);
+                quant_gemm_shared(&L->o, rows, m, a->o_out);
+                spin_barrier(&barrier[4], team);
+                norm_rows(a->x, a->o_out, L->post_norm, L->post_eps, a->h, rows, m, hidden, me,
+                          team);
+                spin_barrier(&barrier[5], team);
+                quant_gated_shared(&L->gate_up, rows, m, a->act);
+                spin_barrier(&barrier[6], team);
+                quant_rows_fill(a->act, m, width, rows, me, team);
+                spin_barrier(&barrier[7], team);
+                quant_gemm_shared(&L->down, rows, m, a->delta);
+                spin_barrier(&barrier[8], team);
+            }
+        }
+    }
+    free(arrived);
+    free(rows);
+    return failed ? -1 : 0;
+}

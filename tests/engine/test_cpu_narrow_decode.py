@@ -1,0 +1,176 @@
+"""A decode step's layers on narrow weights in one call (kernels/narrow_decode.c), every build this
+CPU runs, against the same layers composed in torch: norms, the GEMMs' torch reference (activations
+rounded as the kernel's contract says), silu, and the step's attention on the rows, its K/V writes
+included."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.cpu import quant_formats
+from engine.model.cpu.kernels import paged_decode, quant_gemm
+from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
+from engine.model.cpu.lean_forward import LlamaLayer
+from engine.model.cpu.quant_formats import quantize
+from engine.model.cpu.quant_linear import QuantizedLinear
+from tests.engine.test_attention import make_batch
+from tests.engine.test_cpu_decode_kernel import RAGGED
+from tests.engine.test_cpu_quant_gemm import BUILDS, reference
+
+pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler here")
+
+Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, WIDTH, EPS = 3, 1, 32, 64, 96, 1e-5
+QKV_WIDTH = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+
+
+# Each test linear's QuantizedWeight, by the module's id: what the torch reference multiplies by.
+_WEIGHTS: dict[int, quant_formats.QuantizedWeight] = {}
+
+
+def _layer(lib, fmt: str, bias: bool, window: int | None, generator) -> LlamaLayer:
+    def linear(n: int, k: int, paired: bool = False) -> QuantizedLinear:
+        weight = quantize(torch.randn(n, k, generator=generator) / k**0.5, fmt)
+        b = torch.randn(n, generator=generator) * 0.1 if bias else None
+        module = QuantizedLinear(weight, b, lib, paired)
+        _WEIGHTS[id(module)] = weight
+        return module
+
+    def norm() -> tuple[torch.Tensor, float]:
+        return 1 + 0.1 * torch.randn(HIDDEN, generator=generator), EPS
+
+    return LlamaLayer(
+        norm(), linear(QKV_WIDTH, HIDDEN), linear(HIDDEN, Q_HEADS * HEAD_DIM), norm(),
+        linear(2 * WIDTH, HIDDEN, paired=True), linear(HIDDEN, WIDTH), HEAD_DIM**-0.5, window,
+    )  # fmt: skip
+
+
+def _torch_layers(layers, step, caches, x):
+    """The layers one op at a time (attention: the step's call on the qkv rows); returns x before
+    the last MLP output, and that output."""
+    x, delta = x.clone(), None
+    for layer, (k_cache, v_cache) in zip(layers, caches, strict=True):
+        if delta is not None:
+            x += delta
+        h = F.rms_norm(x, (HIDDEN,), *layer.input_norm)
+        qkv = reference(h, _weight(layer.qkv), layer.qkv.bias)
+        attn = step(qkv, k_cache, v_cache, layer.scale, layer.sliding_window, None)
+        x += reference(attn.reshape(len(x), -1), _weight(layer.o_proj), layer.o_proj.bias)
+        h = F.rms_norm(x, (HIDDEN,), *layer.post_norm)
+        gu = reference(h, _weight(layer.gate_up), layer.gate_up.bias)
+        act = F.silu(gu[:, :WIDTH]) * gu[:, WIDTH:]
+        delta = reference(act, _weight(layer.down), layer.down.bias)
+    return x, delta
+
+
+def _weight(linear: QuantizedLinear) -> quant_formats.QuantizedWeight:
+    return _WEIGHTS[id(linear)]
+
+
+@dataclass
+class Case:
+    """Two layers (the second with a sliding window) over ragged contexts, and their inputs."""
+
+    layers: list[LlamaLayer]
+    pools: list[tuple[torch.Tensor, torch.Tensor]]
+    x: torch.Tensor
+    batch: object
+    rotary: tuple[torch.Tensor, torch.Tensor]
+    kv_dtype: torch.dtype
+
+    def step(self, threads: int) -> paged_decode.DecodeStep:
+        meta = self.batch.meta
+        return paged_decode.DecodeStep(
+            meta.block_tables, meta.seq_lens, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM, block_size=16, kv_dtype=self.kv_dtype, num_threads=threads,
+            slots=meta.slot_mapping, rotary=self.rotary,
+        )  # fmt: skip
+
+    def fresh_pools(self) -> list[tuple[torch.Tensor, ...]]:
+        return [tuple(p.clone() for p in kv) for kv in self.pools]
+
+
+def _case(lib, fmt: str, kv_dtype: torch.dtype, bias: bool) -> Case:
+    generator = torch.Generator().manual_seed(len(fmt) + 2 * bias)
+    layers = [_layer(lib, fmt, bias, window, generator) for window in (None, 20)]
+    batch = make_batch(
+        [1] * len(RAGGED), RAGGED, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+        block_size=16, seed=7,
+    )  # fmt: skip
+    pools = [
+        (batch.k_cache.to(kv_dtype), batch.v_cache.to(kv_dtype)),
+        (batch.k_cache.flip(-1).to(kv_dtype), batch.v_cache.flip(-1).to(kv_dtype)),
+    ]
+    angles = torch.rand(len(RAGGED), HEAD_DIM // 2, generator=generator) * 6
+    angles = torch.cat((angles, angles), dim=-1)
+    x = torch.randn(len(RAGGED), HIDDEN, generator=generator)
+    return Case(layers, pools, x, batch, (angles.cos(), angles.sin()), kv_dtype)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("fmt", quant_formats.FORMATS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_narrow_layers_match_the_layers_one_op_at_a_time(isa, fmt, kv_dtype, bias):
+    """The same residual stream, last MLP output and K/V pools as the ops composed in torch; 1
+    and 2 threads bit for bit alike; each layer's times reported only when asked."""
+    lib = quant_gemm.library(isa)
+    case = _case(lib, fmt, kv_dtype, bias)
+    assert NarrowDecoder.build(case.layers, QKV_WIDTH) is not None
+    decoder = NarrowDecoder(lib, case.layers)  # this build's library
+    expected_pools = case.fresh_pools()
+    expected_x, expected_delta = _torch_layers(case.layers, case.step(1), expected_pools, case.x)
+    results = []
+    for threads in (1, 2):
+        kv = case.fresh_pools()
+        out_x = case.x.clone()
+        delta, spans = decoder(case.step(threads), kv, out_x, threads, timed=threads == 2)
+        torch.testing.assert_close(out_x, expected_x, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(delta, expected_delta, rtol=2e-3, atol=2e-3)
+        for got, want in zip(kv, expected_pools, strict=True):
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g.float(), w.float(), rtol=2e-3, atol=2e-3)
+        if threads == 2:
+            assert len(spans) == 2 and all(0 < qkv_s <= attention_s for qkv_s, attention_s in spans)
+        else:
+            assert spans == []
+        results.append((out_x, delta, kv))
+    (x1, d1, kv1), (x2, d2, kv2) = results
+    assert torch.equal(x1, x2) and torch.equal(d1, d2)
+    pools_alike = zip(sum(kv1, ()), sum(kv2, ()), strict=True)
+    assert all(torch.equal(a, b) for a, b in pools_alike)
+
+
+def test_moved_weights_are_followed():
+    """Parking repoints a weight's tensor at other memory: the next call reads the new memory,
+    not the old (kept alive here, so stale pointers would still read the old values)."""
+    lib = quant_gemm.library()
+    case = _case(lib, "int8", torch.float32, bias=False)
+    decoder = NarrowDecoder.build(case.layers, QKV_WIDTH)
+
+    def run() -> torch.Tensor:
+        return decoder(case.step(2), case.fresh_pools(), case.x.clone(), 2)[0]
+
+    before = run()
+    down = case.layers[-1].down.packed
+    old_storage = down.untyped_storage()  # noqa: F841 (the old memory stays readable)
+    down.set_(torch.zeros_like(down))  # every scale zero: the last MLP's output is 0
+    assert not torch.equal(before, torch.zeros_like(before))
+    assert torch.equal(run(), torch.zeros_like(before))
+
+
+def test_layers_the_call_cannot_serve_are_left_to_the_one_by_one_path():
+    lib = quant_gemm.library()
+    generator = torch.Generator().manual_seed(1)
+    layer = _layer(lib, "int8", False, None, generator)
+    assert NarrowDecoder.build([layer], QKV_WIDTH) is not None
+    assert NarrowDecoder.build([], QKV_WIDTH) is None
+    assert NarrowDecoder.build([layer], QKV_WIDTH + HEAD_DIM) is None  # other attention heads
+    layer.gate_up.paired = False
+    assert NarrowDecoder.build([layer], QKV_WIDTH) is None
+    layer.gate_up.paired = True
+    layer.post_norm = (layer.post_norm[0].bfloat16(), EPS)
+    assert NarrowDecoder.build([layer], QKV_WIDTH) is None
