@@ -84,6 +84,12 @@ def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
     add("--model", type=Path, default=MODEL, help="the Q4_1 GGUF both servers load")
     add("--engine-flags", default=ENGINE_FLAGS, help="python -m engine flags of every config")
     add(
+        "--llama-flags",
+        default="",
+        help="extra llama-server flags of every llama config (e.g. --no-repack: see "
+        "docs/PERFORMANCE.md for the CPUs whose repacked Q4_1 crashes llama-server at start-up)",
+    )
+    add(
         "--threads",
         type=int,
         default=len(os.sched_getaffinity(0)),
@@ -133,8 +139,9 @@ def start_server(config: Config, args: argparse.Namespace, ctx: dict) -> tuple[S
         n_ctx = llama_server.context_size(parallel, 2 * args.input_words[1] + 16, args.output_len)
         env = llama_server.openmp_env(shlex.split(args.engine_flags))
         llama = llama_server.LlamaServer.start(
-            ctx["build"].server, model, SERVED_NAME, args.threads, parallel, n_ctx, log, env
-        )
+            ctx["build"].server, model, SERVED_NAME, args.threads, parallel, n_ctx, log, env,
+            shlex.split(args.llama_flags),
+        )  # fmt: skip
         server, target = llama, Target(llama.url, SERVED_NAME, llama.pid, fresh_connections=True)
         omp = {k: v for k, v in env.items() if k in OMP_VARS}
         ctx["commands"][config.name] = [*(f"{k}={v}" for k, v in omp.items()), *llama.command]

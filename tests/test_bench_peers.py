@@ -183,6 +183,24 @@ def test_llama_server_command_sizes_one_shared_kv_cache():
     assert {"--kv-unified", "--cont-batching", "--no-webui"} <= set(cmd)
 
 
+def test_llama_server_takes_extra_flags_and_names_a_crash_signal(tmp_path):
+    """--llama-flags reach the command line; a server killed by a signal at start-up (llama.cpp's
+    Q4_1 repacking segfaults on some AMX CPUs) says which."""
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    binary.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin"}
+    server = llama_server.LlamaServer.start(
+        binary, Path("m.gguf"), "x", 1, 1, 256, tmp_path / "log", env, ["--no-repack"]
+    )
+    try:
+        assert server.command[-1] == "--no-repack"
+        with pytest.raises(RuntimeError, match=r"exited with code -11 \(SIGSEGV\)"):
+            server.wait_ready(timeout=10)
+    finally:
+        server.stop()
+
+
 # ---- the report ------------------------------------------------------------------------------
 
 

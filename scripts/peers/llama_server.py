@@ -83,10 +83,10 @@ class LlamaServer:
     @classmethod
     def start(
         cls, binary: Path, model: Path, name: str, threads: int, parallel: int, ctx: int, log: Path,
-        env: dict[str, str],
+        env: dict[str, str], extra_flags: Sequence[str] = (),
     ) -> LlamaServer:  # fmt: skip
         port = free_port()
-        command = server_command(binary, model, name, port, threads, parallel, ctx)
+        command = [*server_command(binary, model, name, port, threads, parallel, ctx), *extra_flags]
         return cls(command, port, log, env)
 
     def wait_ready(self, timeout: float) -> None:
@@ -94,7 +94,9 @@ class LlamaServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with code {self.proc.returncode}")
+                code = self.proc.returncode
+                signal_name = f" ({signal.Signals(-code).name})" if code < 0 else ""
+                raise RuntimeError(f"llama-server exited with code {code}{signal_name}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
                     if reply.status == 200:
