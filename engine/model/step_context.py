@@ -104,8 +104,10 @@ class StepContext:
         [B, hidden] (fp32 embeddings) in one call (NarrowDecoder), returning the last layer's MLP
         output; the profile books each layer's norm, qkv GEMM and attention as its attention call
         (the GEMM also as QKV_IN_ATTENTION). None, and x untouched: run the layers one by one."""
+        if x.dtype != torch.float32:
+            return None
         step = self._fused_step(rotary, q_heads, x.dtype)
-        if step is None or x.dtype != torch.float32:
+        if step is None:
             return None
         profile = self.profile
         delta, spans = decoder(step, self.kv_caches, x, threads, timed=profile is not None)

@@ -15,6 +15,7 @@ import torch
 from engine.model.cpu.kernels.build import load
 from engine.model.cpu.kernels.paged_decode import DecodeStep
 from engine.model.cpu.kernels.quant_gemm import NarrowLinear
+from engine.model.cpu.quant_formats import BLOCK
 
 # Per layer, the seconds narrow_decode.c's thread 0 measures from the layer's start: to the end of
 # the qkv GEMM, and of attention.
@@ -99,24 +100,24 @@ class NarrowDecoder:
     def build(cls, layers: Sequence[NarrowLayerWeights], qkv_width: int) -> NarrowDecoder | None:
         """The decoder of ``layers`` (their linears all on narrow weights), or None where the C
         call does not serve them: no kernels, an unpaired MLP, norms not fp32, layers of other
-        widths, or a width the kernel's int8 blocks of 32 do not divide. ``qkv_width``:
-        (Hq + 2 Hkv) * head_dim, as the attention reads the qkv rows."""
+        widths, or a width the kernel's int8 blocks (quant_formats.BLOCK) do not divide.
+        ``qkv_width``: (Hq + 2 Hkv) * head_dim, as the attention reads the qkv rows."""
         lib = load()
         if lib is None or not layers:
             return None
-        hidden, q_width, width, qkv_out, inputs_fit = _widths(layers[0])
-        if not (
-            inputs_fit
-            and qkv_out == qkv_width
-            and not any(w % 32 for w in (hidden, q_width, width))
-            and all(
-                layer.gate_up.paired
-                and all(
-                    norm.dtype == torch.float32 for norm, _ in (layer.input_norm, layer.post_norm)
-                )
-                and _widths(layer) == _widths(layers[0])
-                for layer in layers
-            )
+        shape = _shape(layers[0])
+        qkv_out, hidden, o_out, q_width, gate_up_out, gate_up_in, down_out, width = shape
+        fits = (
+            qkv_out == qkv_width
+            and o_out == gate_up_in == down_out == hidden
+            and gate_up_out == 2 * width
+            and not any(w % BLOCK for w in (hidden, q_width, width))
+        )
+        if not fits or not all(
+            _shape(layer) == shape
+            and layer.gate_up.paired
+            and all(norm.dtype == torch.float32 for norm, _ in (layer.input_norm, layer.post_norm))
+            for layer in layers
         ):
             return None
         return cls(lib, layers)
@@ -172,18 +173,9 @@ def _gemms(layer: NarrowLayerWeights) -> tuple[NarrowGemm, ...]:
     return layer.qkv, layer.o_proj, layer.gate_up, layer.down
 
 
-def _widths(layer: NarrowLayerWeights) -> tuple[int, ...]:
-    """hidden, q width, MLP width, qkv outputs, and the inputs that must match them."""
-    qkv, o, gate_up, down = _gemms(layer)
-    hidden, q_width, width = o.out_features, o.in_features, down.in_features
-    inputs_fit = (qkv.in_features, gate_up.in_features, gate_up.out_features, down.out_features)
-    return (
-        hidden,
-        q_width,
-        width,
-        qkv.out_features,
-        inputs_fit == (hidden, hidden, 2 * width, hidden),
-    )
+def _shape(layer: NarrowLayerWeights) -> tuple[int, ...]:
+    """(out_features, in_features) of qkv, o_proj, gate_up and down, in that order."""
+    return tuple(d for gemm in _gemms(layer) for d in (gemm.out_features, gemm.in_features))
 
 
 def _record(layer: NarrowLayerWeights) -> _LayerStruct:
