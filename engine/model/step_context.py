@@ -12,7 +12,7 @@ import torch
 from engine.model.attention.backends import paged_attention
 from engine.model.attention.metadata import AttentionMetadata
 from engine.model.cpu.attention import fused_decode_step
-from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
+from engine.model.cpu.kernels.narrow_decode import NarrowDecoder, NarrowOutput
 from engine.model.cpu.kernels.paged_decode import DecodeStep
 from engine.model.cpu.kernels.panel_gemm import PanelOperands
 from engine.model.step_profile import ATTENTION, QKV_IN_ATTENTION, StepProfile
@@ -99,24 +99,26 @@ class StepContext:
         decoder: NarrowDecoder,
         x: torch.Tensor,
         threads: int,
-    ) -> torch.Tensor | None:
+        logits: bool,
+    ) -> NarrowOutput | None:
         """For a decode-only step on the C kernels: every layer of ``decoder`` over ``x``
-        [B, hidden] (fp32 embeddings) in one call (NarrowDecoder), returning the last layer's MLP
-        output; the profile books each layer's norm, qkv GEMM and attention as its attention call
-        (the GEMM also as QKV_IN_ATTENTION). None, and x untouched: run the layers one by one."""
+        [B, hidden] (fp32 embeddings) and the final norm in one call (NarrowDecoder), with
+        ``logits`` the lm_head too; the profile books each layer's norm, qkv GEMM and attention
+        as its attention call (the GEMM also as QKV_IN_ATTENTION). None, and x untouched: run
+        the layers one by one."""
         if x.dtype != torch.float32:
             return None
         step = self._fused_step(rotary, q_heads, x.dtype)
         if step is None:
             return None
         profile = self.profile
-        delta, spans = decoder(step, self.kv_caches, x, threads, timed=profile is not None)
+        out = decoder(step, self.kv_caches, x, threads, logits, timed=profile is not None)
         if profile is not None:
-            for qkv_s, attention_s in spans:
+            for qkv_s, attention_s in out.spans:
                 profile.add(ATTENTION, attention_s)
                 profile.add(QKV_IN_ATTENTION, qkv_s)
         self.layers_called.update(range(len(self.kv_caches)))
-        return delta
+        return out
 
     def _fused_step(
         self, rotary: tuple[torch.Tensor, torch.Tensor], q_heads: int, dtype: torch.dtype

@@ -1,7 +1,7 @@
-"""A decode step's layers on narrow weights in one call (kernels/narrow_decode.c), every build this
-CPU runs, against the same layers composed in torch: norms, the GEMMs' torch reference (activations
-rounded as the kernel's contract says), silu, and the step's attention on the rows, its K/V writes
-included."""
+"""A decode step's layers and head on narrow weights in one call (kernels/narrow_decode.c), every
+build this CPU runs, against the same layers composed in torch: norms, the GEMMs' torch reference
+(activations rounded as the kernel's contract says), silu, the step's attention on the rows, its
+K/V writes included, then the final norm and the lm_head."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.engine.test_cpu_quant_gemm import BUILDS, reference
 
 pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler here")
 
-Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, WIDTH, EPS = 3, 1, 32, 64, 96, 1e-5
+Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, WIDTH, EPS, VOCABULARY = 3, 1, 32, 64, 96, 1e-5, 200
 QKV_WIDTH = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
 
 
@@ -31,16 +31,24 @@ QKV_WIDTH = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
 _WEIGHTS: dict[int, quant_formats.QuantizedWeight] = {}
 
 
+def _linear(lib, fmt: str, n: int, k: int, bias: bool, generator, paired: bool = False):
+    weight = quantize(torch.randn(n, k, generator=generator) / k**0.5, fmt)
+    b = torch.randn(n, generator=generator) * 0.1 if bias else None
+    module = QuantizedLinear(weight, b, lib, paired)
+    _WEIGHTS[id(module)] = weight
+    return module
+
+
+def _norm(generator) -> tuple[torch.Tensor, float]:
+    return 1 + 0.1 * torch.randn(HIDDEN, generator=generator), EPS
+
+
 def _layer(lib, fmt: str, bias: bool, window: int | None, generator) -> LlamaLayer:
     def linear(n: int, k: int, paired: bool = False) -> QuantizedLinear:
-        weight = quantize(torch.randn(n, k, generator=generator) / k**0.5, fmt)
-        b = torch.randn(n, generator=generator) * 0.1 if bias else None
-        module = QuantizedLinear(weight, b, lib, paired)
-        _WEIGHTS[id(module)] = weight
-        return module
+        return _linear(lib, fmt, n, k, bias, generator, paired)
 
     def norm() -> tuple[torch.Tensor, float]:
-        return 1 + 0.1 * torch.randn(HIDDEN, generator=generator), EPS
+        return _norm(generator)
 
     return LlamaLayer(
         norm(), linear(QKV_WIDTH, HIDDEN), linear(HIDDEN, Q_HEADS * HEAD_DIM), norm(),
@@ -75,6 +83,8 @@ class Case:
     """Two layers (the second with a sliding window) over ragged contexts, and their inputs."""
 
     layers: list[LlamaLayer]
+    final_norm: tuple[torch.Tensor, float]
+    lm_head: QuantizedLinear
     pools: list[tuple[torch.Tensor, torch.Tensor]]
     x: torch.Tensor
     batch: object
@@ -92,6 +102,12 @@ class Case:
     def fresh_pools(self) -> list[tuple[torch.Tensor, ...]]:
         return [tuple(p.clone() for p in kv) for kv in self.pools]
 
+    def decoder(self, lib=None) -> NarrowDecoder:
+        """The case's decoder on ``lib`` (a build's library; None: `NarrowDecoder.build`'s)."""
+        if lib is None:
+            return NarrowDecoder.build(self.layers, QKV_WIDTH, self.final_norm, self.lm_head)
+        return NarrowDecoder(lib, self.layers, self.final_norm, self.lm_head)
+
 
 def _case(lib, fmt: str, kv_dtype: torch.dtype, bias: bool) -> Case:
     generator = torch.Generator().manual_seed(len(fmt) + 2 * bias)
@@ -107,7 +123,11 @@ def _case(lib, fmt: str, kv_dtype: torch.dtype, bias: bool) -> Case:
     angles = torch.rand(len(RAGGED), HEAD_DIM // 2, generator=generator) * 6
     angles = torch.cat((angles, angles), dim=-1)
     x = torch.randn(len(RAGGED), HIDDEN, generator=generator)
-    return Case(layers, pools, x, batch, (angles.cos(), angles.sin()), kv_dtype)
+    head_generator = torch.Generator().manual_seed(3)
+    final_norm = _norm(head_generator)
+    lm_head = _linear(lib, "int8", VOCABULARY, HIDDEN, False, head_generator)
+    rotary = (angles.cos(), angles.sin())
+    return Case(layers, final_norm, lm_head, pools, x, batch, rotary, kv_dtype)
 
 
 @pytest.mark.parametrize("isa", BUILDS)
@@ -115,33 +135,55 @@ def _case(lib, fmt: str, kv_dtype: torch.dtype, bias: bool) -> Case:
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_narrow_layers_match_the_layers_one_op_at_a_time(isa, fmt, kv_dtype, bias):
-    """The same residual stream, last MLP output and K/V pools as the ops composed in torch; 1
-    and 2 threads bit for bit alike; each layer's times reported only when asked."""
+    """The same residual stream, final norm, logits and K/V pools as the ops composed in torch;
+    1 and 2 threads bit for bit alike; each layer's times reported only when asked."""
     lib = quant_gemm.library(isa)
     case = _case(lib, fmt, kv_dtype, bias)
-    assert NarrowDecoder.build(case.layers, QKV_WIDTH) is not None
-    decoder = NarrowDecoder(lib, case.layers)  # this build's library
+    assert case.decoder() is not None
+    decoder = case.decoder(lib)  # this build's library
+    assert decoder.has_lm_head
     expected_pools = case.fresh_pools()
-    expected_x, expected_delta = _torch_layers(case.layers, case.step(1), expected_pools, case.x)
+    expected_x, delta = _torch_layers(case.layers, case.step(1), expected_pools, case.x)
+    expected_x += delta
+    expected_hidden = F.rms_norm(expected_x, (HIDDEN,), *case.final_norm)
+    expected_logits = reference(expected_hidden, _weight(case.lm_head), None)
     results = []
     for threads in (1, 2):
         kv = case.fresh_pools()
         out_x = case.x.clone()
-        delta, spans = decoder(case.step(threads), kv, out_x, threads, timed=threads == 2)
+        out = decoder(case.step(threads), kv, out_x, threads, logits=True, timed=threads == 2)
         torch.testing.assert_close(out_x, expected_x, rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(delta, expected_delta, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(out.hidden, expected_hidden, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(out.logits, expected_logits, rtol=2e-3, atol=2e-3)
         for got, want in zip(kv, expected_pools, strict=True):
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g.float(), w.float(), rtol=2e-3, atol=2e-3)
         if threads == 2:
+            spans = out.spans
             assert len(spans) == 2 and all(0 < qkv_s <= attention_s for qkv_s, attention_s in spans)
         else:
-            assert spans == []
-        results.append((out_x, delta, kv))
-    (x1, d1, kv1), (x2, d2, kv2) = results
-    assert torch.equal(x1, x2) and torch.equal(d1, d2)
+            assert out.spans == []
+        results.append((out_x, out.hidden, out.logits, kv))
+    (x1, h1, l1, kv1), (x2, h2, l2, kv2) = results
+    assert torch.equal(x1, x2) and torch.equal(h1, h2) and torch.equal(l1, l2)
     pools_alike = zip(sum(kv1, ()), sum(kv2, ()), strict=True)
     assert all(torch.equal(a, b) for a, b in pools_alike)
+
+
+def test_the_logits_only_when_asked_for_and_the_lm_head_is_narrow():
+    """Without ``logits`` (rows the step does not sample) or without a narrow lm_head the call
+    stops at the final norm, the same rows as with the logits."""
+    lib = quant_gemm.library()
+    case = _case(lib, "int4", torch.float32, bias=False)
+    with_head = case.decoder()
+    without_head = NarrowDecoder.build(case.layers, QKV_WIDTH, case.final_norm, None)
+    assert with_head.has_lm_head and not without_head.has_lm_head
+    outs = [
+        decoder(case.step(2), case.fresh_pools(), case.x.clone(), 2, logits=logits)
+        for decoder, logits in ((with_head, True), (with_head, False), (without_head, True))
+    ]
+    assert outs[0].logits is not None and outs[1].logits is None and outs[2].logits is None
+    assert all(torch.equal(out.hidden, outs[0].hidden) for out in outs)
 
 
 def test_moved_weights_are_followed():
@@ -149,28 +191,44 @@ def test_moved_weights_are_followed():
     not the old (kept alive here, so stale pointers would still read the old values)."""
     lib = quant_gemm.library()
     case = _case(lib, "int8", torch.float32, bias=False)
-    decoder = NarrowDecoder.build(case.layers, QKV_WIDTH)
+    decoder = case.decoder()
 
-    def run() -> torch.Tensor:
-        return decoder(case.step(2), case.fresh_pools(), case.x.clone(), 2)[0]
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        x = case.x.clone()
+        return x, decoder(case.step(2), case.fresh_pools(), x, 2, logits=True).logits
 
-    before = run()
-    down = case.layers[-1].down.packed
-    old_storage = down.untyped_storage()  # noqa: F841 (the old memory stays readable)
-    down.set_(torch.zeros_like(down))  # every scale zero: the last MLP's output is 0
-    assert not torch.equal(before, torch.zeros_like(before))
-    assert torch.equal(run(), torch.zeros_like(before))
+    # the stream before the last MLP output: what a zero down projection leaves
+    without_last_mlp, _ = _torch_layers(case.layers, case.step(1), case.fresh_pools(), case.x)
+    x, logits = run()
+    assert not torch.allclose(x, without_last_mlp, rtol=2e-3, atol=2e-3)
+    old_storage = []  # the old memory stays readable
+    for weight in (case.layers[-1].down.packed, case.lm_head.packed):
+        old_storage.append(weight.untyped_storage())
+        weight.set_(torch.zeros_like(weight))  # every scale zero: the GEMM's output is 0
+    x, logits = run()
+    torch.testing.assert_close(x, without_last_mlp, rtol=2e-3, atol=2e-3)
+    assert torch.equal(logits, torch.zeros_like(logits))
 
 
 def test_layers_the_call_cannot_serve_are_left_to_the_one_by_one_path():
     lib = quant_gemm.library()
     generator = torch.Generator().manual_seed(1)
     layer = _layer(lib, "int8", False, None, generator)
-    assert NarrowDecoder.build([layer], QKV_WIDTH) is not None
-    assert NarrowDecoder.build([], QKV_WIDTH) is None
-    assert NarrowDecoder.build([layer], QKV_WIDTH + HEAD_DIM) is None  # other attention heads
+    final_norm = _norm(generator)
+    lm_head = _linear(lib, "int8", VOCABULARY, HIDDEN, False, generator)
+
+    def build(layers, qkv_width=QKV_WIDTH, norm=final_norm, head=lm_head):
+        return NarrowDecoder.build(layers, qkv_width, norm, head)
+
+    assert build([layer]).has_lm_head
+    assert not build(
+        [layer], head=_linear(lib, "int8", VOCABULARY, 2 * HIDDEN, False, generator)
+    ).has_lm_head
+    assert build([]) is None
+    assert build([layer], QKV_WIDTH + HEAD_DIM) is None  # other attention heads
+    assert build([layer], norm=(final_norm[0].bfloat16(), EPS)) is None
     layer.gate_up.paired = False
-    assert NarrowDecoder.build([layer], QKV_WIDTH) is None
+    assert build([layer]) is None
     layer.gate_up.paired = True
     layer.post_norm = (layer.post_norm[0].bfloat16(), EPS)
-    assert NarrowDecoder.build([layer], QKV_WIDTH) is None
+    assert build([layer]) is None

@@ -93,26 +93,42 @@ def test_hf_folders_stay_dense_unless_asked(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_the_engine_generates_on_narrow_weights(tiny_llama_dir, fmt, monkeypatch):
+@pytest.mark.parametrize("head_in_call", [True, False])
+def test_the_engine_generates_on_narrow_weights(tiny_llama_dir, fmt, head_in_call, monkeypatch):
     """The engine on narrow weights, lean forward and paged attention included, gives the tokens
     the same narrow model gives through transformers' own forward (greedy); its decode steps run
-    every layer in one call (NarrowDecoder), the prefill layer by layer."""
-    calls = {"decoder": 0}
-    decode = NarrowDecoder.__call__
+    every layer and the lm_head in one call (NarrowDecoder), the prefill layer by layer. Without
+    the head in the call (an lm_head not on narrow weights) the decode steps run it after."""
+    calls = {"decoder": 0, "lm_head": 0}
+    lm_head: list[nn.Module] = []  # the engine's, once loaded
+    decode, linear = NarrowDecoder.__call__, QuantizedLinear.forward
 
     def counted_decode(self, *args, **kwargs):
         calls["decoder"] += 1
         return decode(self, *args, **kwargs)
 
+    def counted_linear(self, x):
+        calls["lm_head"] += self in lm_head
+        return linear(self, x)
+
     monkeypatch.setattr(NarrowDecoder, "__call__", counted_decode)
+    monkeypatch.setattr(QuantizedLinear, "forward", counted_linear)
     llm = LLM(str(tiny_llama_dir), quantization=fmt, num_threads=2)
     runner = llm.engine.runner
     assert runner.cpu.narrow is not None and runner.lean is not None
+    lean = runner.lean
+    assert lean.narrow.has_lm_head
+    if not head_in_call:
+        qkv_width = (lean.num_heads + 2 * lean.num_kv_heads) * lean.head_dim
+        lean.narrow = NarrowDecoder.build(lean.layers, qkv_width, lean.final_norm, None)
+    lm_head.append(lean.lm_head)
     prompt = [5, 9, 17, 33, 2, 11]
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    calls["decoder"] = 0  # not the load's probe
+    calls.update(decoder=0, lm_head=0)  # not the load's probe
     out = llm.generate([prompt], params)[0].outputs[0].token_ids
     assert calls["decoder"] == 7  # the 7 decode steps after the prompt's
+    # the prompt's, and without the head in the call each decode step's
+    assert calls["lm_head"] == (1 if head_in_call else 8)
     reference, _ = _prepared(str(tiny_llama_dir), fmt)  # the same weights, own attention
     ids = torch.tensor([prompt])
     expected = []

@@ -74,7 +74,8 @@ class LeanLlamaForward:
         self.narrow: NarrowDecoder | None = None
         if all(isinstance(m, QuantizedLinear) for layer in self.layers for m in _linears(layer)):
             qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-            self.narrow = NarrowDecoder.build(self.layers, qkv_width)
+            lm_head = self.lm_head if isinstance(self.lm_head, QuantizedLinear) else None
+            self.narrow = NarrowDecoder.build(self.layers, qkv_width, self.final_norm, lm_head)
         dtype = getattr(self.embed, "dtype", None) or self.embed.weight.dtype
         self.ops = FusedOps(dtype, self.final_norm[0].device)
 
@@ -110,15 +111,25 @@ class LeanLlamaForward:
         q_width = self.num_heads * self.head_dim
         qk_heads = self.num_heads + self.num_kv_heads
         gemms = StepGemms(tokens)
-        delta = None  # the previous block's output, added to x by the next norm
-        fused = None
         if ops.uses_kernels and self.narrow is not None:  # rotary is in the kernels' form
-            delta = attention.decode_layers(rotary, self.num_heads, self.narrow, x, gemms.threads)
+            # every row sampled (a decode step's rows are its samples): the logits in the call
+            every_row = sample_rows is not None and len(sample_rows) == tokens
+            out = attention.decode_layers(
+                rotary, self.num_heads, self.narrow, x, gemms.threads, every_row
+            )
+            if out is not None:
+                if sample_rows is None:
+                    return None
+                if out.logits is not None:
+                    return out.logits
+                return self.lm_head(out.hidden.index_select(0, sample_rows))
+        delta = None  # the previous block's output, added to x by the next norm
         # other decode steps on the C kernels: one call per layer for rope + write + attend
-        if ops.uses_kernels and delta is None:
-            fused = attention.fused_decode(rotary, self.num_heads, x.dtype)
+        fused = (
+            attention.fused_decode(rotary, self.num_heads, x.dtype) if ops.uses_kernels else None
+        )
         step_ops = StepOps(ops, x, self.mlp_width)
-        for index, layer in enumerate(self.layers if delta is None else ()):
+        for index, layer in enumerate(self.layers):
             h = step_ops.add_rms_norm(delta, *layer.input_norm)
             if fused is not None:  # with the projection where the kernel can run it too
                 qkv = gemms.fused_operands(layer.qkv, h) or gemms(layer.qkv, h)

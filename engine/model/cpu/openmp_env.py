@@ -5,8 +5,7 @@ Default: they sleep at once (``OMP_WAIT_POLICY=PASSIVE``). Engines share the mac
 (several replicas, the gateway), and spinning workers made a contended decode step many times
 slower. The price is a wake-up at every parallel region (each GEMM; a layer's decode attention
 shares its qkv projection's), some 120 times per decode step on fp32 weights; on narrow ones a
-step's layers run in one region (engine.model.cpu.kernels.narrow_decode), and the lm_head in a
-second.
+step's layers and its lm_head run in one region (engine.model.cpu.kernels.narrow_decode).
 
 ``--spin-wait`` (the gateway passes it when it runs a single engine): workers spin for
 ``GOMP_SPINCOUNT`` = 10000 turns (~0.1 ms by libgomp's estimate of 100k per ms) before they sleep,

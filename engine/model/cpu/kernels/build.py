@@ -193,7 +193,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     fused.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
     fused.restype = ctypes.c_int
     narrow = lib.decode_narrow_layers  # its structs: narrow_decode.py
-    narrow.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ptr]
+    narrow.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ptr]
     narrow.restype = ctypes.c_int
     for suffix in DTYPE_SUFFIXES.values():
         norm, rope = getattr(lib, "add_rms_norm_" + suffix), getattr(lib, "rope_" + suffix)

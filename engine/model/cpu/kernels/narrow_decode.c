@@ -6,11 +6,12 @@
  *   x += o(attn); h = rms_norm(x) * post_norm
  *   delta = down(silu(gate(h)) * up(h))
  *
- * with the GEMMs of quant_gemm.c, activations quantised to int8 row by row on the way in. The
- * team syncs on spin barriers between the steps. One call per layer and GEMM instead cost a
- * wake-up of the team's sleeping threads per call (with passive waiting) and the Python between
- * the calls, which at batch 1 added up to more than streaming the weights (figures:
- * docs/PERFORMANCE.md#narrow-weights). */
+ * then the model's head: x += delta; h = rms_norm(x) * final_norm; logits = lm_head(h) (when
+ * asked for and narrow too), with the GEMMs of quant_gemm.c, activations quantised to int8 row
+ * by row on the way in. The team syncs on spin barriers between the steps. One call per layer
+ * and GEMM instead cost a wake-up of the team's sleeping threads per call (with passive waiting)
+ * and the Python between the calls, which at batch 1 added up to more than streaming the weights
+ * (figures: docs/PERFORMANCE.md#narrow-weights). */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,25 +30,35 @@ typedef struct {
     int64_t window; /* sliding window; 0: none */
 } NarrowLayer;
 
-/* The step's fp32 activations, [batch, width] each. x: the residual stream (the embeddings in;
- * out, the last layer's stream before its MLP output is added); delta: out, the last layer's MLP
- * output, which the final norm adds to x. The others are scratch: qkv rows, attention output,
- * o's output, the normed rows, the MLP's activation. */
+/* The final norm and the lm_head (lm_head.packed NULL: not on narrow weights, the caller's). */
 typedef struct {
-    float *x, *delta, *qkv, *attn, *o_out, *h, *act;
+    const float *norm;
+    float eps;
+    NarrowLinear lm_head;
+} NarrowHead;
+
+/* The step's fp32 activations, [batch, width] each. x: the residual stream (the embeddings in,
+ * the last layer's stream out); h: out, the final norm's rows; logits: NULL, or out [batch,
+ * vocabulary] (the lm_head's). The others are scratch: the MLP output, qkv rows, attention
+ * output, o's output, the MLP's activation. */
+typedef struct {
+    float *x, *delta, *qkv, *attn, *o_out, *h, *act, *logits;
 } NarrowActivations;
 
 /* Thread 0's clock per layer, for the step profile: seconds from the layer's start to the end of
  * the qkv GEMM and of attention (the team's wake-up is in the first layer's). */
 enum { SPAN_QKV, SPAN_ATTENTION, SPANS };
 
-/* The spin barriers of one layer (each counter is used once). */
+/* The spin barriers of one layer and of the head (each counter is used once). */
 #define LAYER_BARRIERS 9
+#define HEAD_BARRIERS 1
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-static int shapes_fit(const DecodeStep *step, const NarrowLayer *layers, int64_t count) {
+static int shapes_fit(const DecodeStep *step, const NarrowLayer *layers, int64_t count,
+                      const NarrowHead *head) {
     const int64_t hidden = layers[0].o.n, q_width = step->q_heads * step->head_dim;
+    if (head->lm_head.packed && head->lm_head.k != hidden) return 0;
     const int64_t qkv_width = q_width + 2 * step->kv_heads * step->head_dim;
     for (int64_t l = 0; l < count; l++) {
         const NarrowLayer *L = &layers[l];
@@ -69,21 +80,24 @@ static void norm_rows(float *x, const float *delta, const float *weight, float e
     quant_rows_fill(h, m, hidden, rows, me, team);
 }
 
-/* Every layer of `layers` (count of them) for a decode-only step (step->slots and the rotary
- * tables set; fp32 activations), pools [K0, V0, K1, V1, ...] the layers' KV pools, on nthreads
- * threads (attention on step->nthreads of them). seconds: NULL, or [count][SPANS] filled as the
- * enum above says. Returns 0, or -1 when a shape does not fit or memory ran out (the activations
- * are then incomplete). */
+/* Every layer of `layers` (count of them) and the head for a decode-only step (step->slots and
+ * the rotary tables set; fp32 activations), pools [K0, V0, K1, V1, ...] the layers' KV pools, on
+ * nthreads threads (attention on step->nthreads of them); the logits too when a->logits is set
+ * (and head->lm_head.packed). The lm_head in the same region spares a wake-up of the team and
+ * the Python between two calls. seconds: NULL, or [count][SPANS] filled as the enum above says.
+ * Returns 0, or -1 when a shape does not fit or memory ran out (the activations are then
+ * incomplete). */
 int decode_narrow_layers(const DecodeStep *step, const NarrowLayer *layers, int64_t count,
-                         void *const *pools, const NarrowActivations *a, int nthreads,
-                         double *seconds) {
+                         const NarrowHead *head, void *const *pools, const NarrowActivations *a,
+                         int nthreads, double *seconds) {
     const int64_t m = step->batch;
     if (m <= 0 || count <= 0) return m == 0 || count == 0 ? 0 : -1;
-    if (step->act_bf16 || !shapes_fit(step, layers, count)) return -1;
+    if (step->act_bf16 || !shapes_fit(step, layers, count, head)) return -1;
+    if (a->logits && !head->lm_head.packed) return -1;
     const int64_t hidden = layers[0].o.n, q_width = layers[0].o.k, width = layers[0].down.k;
     const int64_t qkv_width = layers[0].qkv.n;
     QuantRow *rows = quant_rows_alloc(m, max64(hidden, max64(q_width, width)));
-    int *arrived = calloc((size_t)(count * LAYER_BARRIERS), sizeof(int));
+    int *arrived = calloc((size_t)(count * LAYER_BARRIERS + HEAD_BARRIERS), sizeof(int));
     int failed = rows == NULL || arrived == NULL;
     if (!failed) {
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -121,6 +135,11 @@ int decode_narrow_layers(const DecodeStep *step, const NarrowLayer *layers, int6
                 spin_barrier(&barrier[7], team);
                 quant_gemm_shared(&L->down, rows, m, a->delta);
                 spin_barrier(&barrier[8], team);
+            }
+            norm_rows(a->x, a->delta, head->norm, head->eps, a->h, rows, m, hidden, me, team);
+            if (a->logits) {
+                spin_barrier(&arrived[count * LAYER_BARRIERS], team);
+                quant_gemm_shared(&head->lm_head, rows, m, a->logits);
             }
         }
     }

@@ -1,14 +1,14 @@
 """A decode step's decoder layers on narrow weights in one C call (narrow_decode.c): every layer's
-norms, GEMMs (quant_gemm.c) and attention (paged_decode.c) in one parallel region, where a call
-per layer and GEMM cost a wake-up of the team per call and the Python between the calls
-(docs/PERFORMANCE.md#narrow-weights). `NarrowDecoder` holds the layers' C records, rebuilt only
-when a weight moved (parking repoints the tensors)."""
+norms, GEMMs (quant_gemm.c) and attention (paged_decode.c), then the final norm and the lm_head,
+in one parallel region, where a call per layer and GEMM cost a wake-up of the team per call and
+the Python between the calls (docs/PERFORMANCE.md#narrow-weights). `NarrowDecoder` holds the
+layers' C records, rebuilt only when a weight moved (parking repoints the tensors)."""
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -65,43 +65,80 @@ class _LayerStruct(ctypes.Structure):
     ]
 
 
+class _HeadStruct(ctypes.Structure):
+    """narrow_decode.c's NarrowHead."""
+
+    _fields_ = [("norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("lm_head", NarrowLinear)]
+
+
+_ACTIVATIONS = ("x", "delta", "qkv", "attn", "o_out", "h", "act", "logits")
+
+
 class _ActivationsStruct(ctypes.Structure):
     """narrow_decode.c's NarrowActivations."""
 
-    _fields_ = [
-        (name, ctypes.c_void_p) for name in ("x", "delta", "qkv", "attn", "o_out", "h", "act")
-    ]
+    _fields_ = [(name, ctypes.c_void_p) for name in _ACTIVATIONS]
+
+
+class NarrowOutput(NamedTuple):
+    """A decode step's end: the final norm's rows [B, hidden], the logits [B, vocabulary] (None
+    unless asked for and the lm_head is narrow) and, when timed, each layer's seconds to the end
+    of its qkv GEMM and of its attention."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+    spans: list[tuple[float, float]]
 
 
 class NarrowDecoder:
-    """A model's decoder layers on narrow weights for decode-only steps, one C call per step."""
+    """A model's decoder layers, final norm and (on narrow weights) lm_head for decode-only
+    steps, one C call per step."""
 
-    def __init__(self, lib: ctypes.CDLL, layers: Sequence[NarrowLayerWeights]) -> None:
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        layers: Sequence[NarrowLayerWeights],
+        final_norm: tuple[torch.Tensor, float],
+        lm_head: NarrowGemm | None,
+    ) -> None:
         """Use `build`, which checks that the C call serves ``layers``."""
         self._lib = lib
         self._layers = tuple(layers)
+        self._final_norm = final_norm
+        self._lm_head = lm_head
         first = self._layers[0]
         self.hidden, self.mlp_width = first.o_proj.out_features, first.down.in_features
         self.q_width, self.qkv_width = first.o_proj.in_features, first.qkv.out_features
         # every tensor the records point into: a moved one (a new address) rebuilds them
+        gemms = [gemm for layer in self._layers for gemm in _gemms(layer)]
+        gemms += [lm_head] if lm_head is not None else []
+        norms = [norm for layer in self._layers for norm, _ in (layer.input_norm, layer.post_norm)]
         self._tensors = tuple(
             t
-            for layer in self._layers
-            for t in (
-                layer.input_norm[0],
-                layer.post_norm[0],
-                *(part for gemm in _gemms(layer) for part in (gemm.packed, gemm.bias)),
-            )
+            for t in (*norms, final_norm[0], *(p for g in gemms for p in (g.packed, g.bias)))
             if t is not None
         )
-        self._records: tuple[tuple[int, ...], ctypes.Array] | None = None
+        self._records: tuple[tuple[int, ...], ctypes.Array, _HeadStruct] | None = None
+
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether the call can return the logits (the lm_head is on narrow weights)."""
+        return self._lm_head is not None
 
     @classmethod
-    def build(cls, layers: Sequence[NarrowLayerWeights], qkv_width: int) -> NarrowDecoder | None:
-        """The decoder of ``layers`` (their linears all on narrow weights), or None where the C
-        call does not serve them: no kernels, an unpaired MLP, norms not fp32, layers of other
-        widths, or a width the kernel's int8 blocks (quant_formats.BLOCK) do not divide.
-        ``qkv_width``: (Hq + 2 Hkv) * head_dim, as the attention reads the qkv rows."""
+    def build(
+        cls,
+        layers: Sequence[NarrowLayerWeights],
+        qkv_width: int,
+        final_norm: tuple[torch.Tensor, float],
+        lm_head: NarrowGemm | None,
+    ) -> NarrowDecoder | None:
+        """The decoder of ``layers`` (their linears all on narrow weights) and the model's head
+        (``lm_head``: None where it is not on narrow weights, or one of another input width: the
+        caller runs it), or None where the C call does not serve them: no kernels, an unpaired
+        MLP, norms not fp32, layers of other widths, or a width the kernel's int8 blocks
+        (quant_formats.BLOCK) do not divide. ``qkv_width``: (Hq + 2 Hkv) * head_dim, as the
+        attention reads the qkv rows."""
         lib = load()
         if lib is None or not layers:
             return None
@@ -113,14 +150,19 @@ class NarrowDecoder:
             and gate_up_out == 2 * width
             and not any(w % BLOCK for w in (hidden, q_width, width))
         )
-        if not fits or not all(
-            _shape(layer) == shape
-            and layer.gate_up.paired
-            and all(norm.dtype == torch.float32 for norm, _ in (layer.input_norm, layer.post_norm))
-            for layer in layers
+        norms = [
+            final_norm[0],
+            *(n for layer in layers for n, _ in (layer.input_norm, layer.post_norm)),
+        ]
+        if (
+            not fits
+            or not all(_shape(layer) == shape and layer.gate_up.paired for layer in layers)
+            or any(norm.dtype != torch.float32 for norm in norms)
         ):
             return None
-        return cls(lib, layers)
+        if lm_head is not None and lm_head.in_features != hidden:
+            lm_head = None
+        return cls(lib, layers, final_norm, lm_head)
 
     def __call__(
         self,
@@ -128,13 +170,13 @@ class NarrowDecoder:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         x: torch.Tensor,
         threads: int,
+        logits: bool,
         timed: bool = False,
-    ) -> tuple[torch.Tensor, list[tuple[float, float]]]:
+    ) -> NarrowOutput:
         """Every layer of a decode-only step (``step``: its attention, with slots and rotary)
-        over ``x`` [B, hidden] (fp32, contiguous: the embeddings), on ``threads`` threads.
-        Leaves in x the residual stream before the last layer's MLP output and returns that
-        output (the final norm adds it), and with ``timed`` each layer's seconds to the end of
-        its qkv GEMM and of its attention (else an empty list)."""
+        over ``x`` [B, hidden] (fp32, contiguous: the embeddings), then the final norm, and with
+        ``logits`` (and `has_lm_head`) the lm_head, on ``threads`` threads. Leaves in x the
+        residual stream after the last layer."""
         batch = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.hidden:
             raise ValueError(f"narrow layers take fp32 [B, {self.hidden}] rows, not {x.shape}")
@@ -142,31 +184,38 @@ class NarrowDecoder:
         delta, qkv, attn, o_out, h, act = (
             torch.empty((batch, w), dtype=torch.float32) for w in (*widths, self.mlp_width)
         )
+        out = None
+        if logits and self._lm_head is not None:
+            out = torch.empty((batch, self._lm_head.out_features), dtype=torch.float32)
         activations = _ActivationsStruct(
-            *(t.data_ptr() for t in (x, delta, qkv, attn, o_out, h, act))
+            *(t.data_ptr() for t in (x, delta, qkv, attn, o_out, h, act)),
+            None if out is None else out.data_ptr(),
         )
         pools = [pool.data_ptr() for kv in kv_caches for pool in kv]
         count = len(self._layers)
         seconds = (ctypes.c_double * (count * SPANS))() if timed else None
+        layers, head = self._records_now()
         status = self._lib.decode_narrow_layers(
-            step.layout, self._records_now(), count, (ctypes.c_void_p * len(pools))(*pools),
+            step.layout, layers, count, ctypes.byref(head), (ctypes.c_void_p * len(pools))(*pools),
             ctypes.byref(activations), threads, seconds,
         )  # fmt: skip
         if status:
             raise MemoryError("the narrow decode layers could not allocate their scratch")
-        if seconds is None:
-            return delta, []
-        return delta, list(zip(seconds[0::SPANS], seconds[1::SPANS], strict=True))
+        spans = (
+            [] if seconds is None else list(zip(seconds[0::SPANS], seconds[1::SPANS], strict=True))
+        )
+        return NarrowOutput(h, out, spans)
 
-    def _records_now(self) -> ctypes.Array:
-        """The layers' C records, rebuilt when a tensor they point into has moved."""
+    def _records_now(self) -> tuple[ctypes.Array, _HeadStruct]:
+        """The layers' and the head's C records, rebuilt when a tensor they point into has
+        moved."""
         at = tuple(t.data_ptr() for t in self._tensors)
         if self._records is None or self._records[0] != at:
-            records = (_LayerStruct * len(self._layers))(
-                *(_record(layer) for layer in self._layers)
-            )
-            self._records = (at, records)
-        return self._records[1]
+            layers = (_LayerStruct * len(self._layers))(*(_record(layer) for layer in self._layers))
+            norm, eps = self._final_norm
+            lm_head = self._lm_head.narrow() if self._lm_head is not None else NarrowLinear()
+            self._records = (at, layers, _HeadStruct(norm.data_ptr(), eps, lm_head))
+        return self._records[1], self._records[2]
 
 
 def _gemms(layer: NarrowLayerWeights) -> tuple[NarrowGemm, ...]:
