@@ -49,7 +49,9 @@ from scripts.serving.workload import parse_range  # noqa: E402
 
 MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVED_NAME = "smollm2"
-ENGINE_FLAGS = "--max-num-seqs 64 --kv-cache-memory 1GiB"
+# --spin-wait: how the gateway runs an engine alone on its machine (gateway/config/loading.py), as
+# here; llama-server then gets the same OpenMP wait (llama_server.openmp_env)
+ENGINE_FLAGS = "--max-num-seqs 64 --kv-cache-memory 1GiB --spin-wait"
 ISA_CPU_FLAGS = ("avx2", "fma", "f16c", "bmi2", "avx_vnni")
 OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # shown before llama-server's command
 LOG_DIR = Path(os.environ.get("TMPDIR", "/tmp"))
