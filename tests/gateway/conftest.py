@@ -119,8 +119,10 @@ def spawn_upstream() -> Iterator:
 def fleet(upstream_urls: list[str], **gateway: Any) -> dict[str, Any]:
     """A models.yaml document with one routed model 'm1' (alias 'default') and fast health
     settings; keyword arguments override gateway settings."""
+    # timeout_s 2: the mocks answer at once, but on a busy 2-core machine a probe can take over
+    # 0.5 s, and with unhealthy_after 1 that one probe took a replica out of a routing test
     settings: dict[str, Any] = {
-        "health": {"interval_s": 0.2, "timeout_s": 0.5, "unhealthy_after": 1, "healthy_after": 1},
+        "health": {"interval_s": 0.2, "timeout_s": 2.0, "unhealthy_after": 1, "healthy_after": 1},
         "ejection": {"consecutive_failures": 2, "base_s": 0.3, "max_s": 5, "max_percent": 50},
         "retries": {"attempts": 3, "backoff_ms": 5},
         "watch_config": False,
