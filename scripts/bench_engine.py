@@ -1,8 +1,9 @@
 """Engine benchmark: every figure is a ratio against a baseline measured in the same run.
 
 Sections (select with --sections; sizes are flags so that a slow CPU can run each one):
-- limit:  the model's bare linear layers on the device's fast path at batch B vs the engine's whole
-          decode step at B, the step broken into the spans of the engine's step profile
+- limit:  the model's bare linear layers on the device's fast path at batch B, and their weights
+          read once at the measured memory bandwidth, vs the engine's whole decode step at B, the
+          step broken into the spans of the engine's step profile
           (engine/model/step_profile.py: schedule, batch, forward with attention and the qkv GEMMs
           run inside it, sample, postprocess); and the K/V bytes attention reads per step against
           a plain read of memory, sequential and block by block through the block tables (the

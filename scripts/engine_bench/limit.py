@@ -33,6 +33,14 @@ def model_linears(core: EngineCore) -> list[nn.Module]:
     return [m for m in core.runner.model.modules() if isinstance(m, kinds)]
 
 
+def weight_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of weights one pass over ``module`` reads: a narrow weight's packed records, else
+    its [out, in] matrix in the model's ``dtype`` (one of a prepacked linear's layouts)."""
+    if isinstance(module, QuantizedLinear):
+        return module.packed.numel() * module.packed.element_size()
+    return module.out_features * module.in_features * dtype.itemsize
+
+
 def linear_pass(
     core: EngineCore, modules: list[nn.Module], batch: int, packed: bool
 ) -> Callable[[], float]:
@@ -122,6 +130,11 @@ def bench_limit(args: argparse.Namespace) -> dict:
     profile.enabled = True
     linears = model_linears(core)
     read_gb_per_s = memory_read_gb_per_s(core.runner.device)
+    # the step's weights read once at that speed: the floor of a memory-bound step (at B=1 the
+    # bare linear calls land above the step, whose one C call beats calling them one by one)
+    weights_floor_s = sum(weight_bytes(m, core.runner.loaded.dtype) for m in linears) / (
+        read_gb_per_s * 1e9
+    )
     spec = core.runner.spec
     kv_bytes_per_token = spec.bytes_per_block // spec.block_size  # K and V, all layers
     rng = random.Random(args.seed)
@@ -176,6 +189,8 @@ def bench_limit(args: argparse.Namespace) -> dict:
             "bare_linears_ms": round(linear_s * 1e3, 2),
             "f_linear_unpacked_ms": round(statistics.median(plain) * 1e3, 2),
             "step_over_linears": round(step_s / linear_s, 3),
+            "weights_read_floor_ms": round(weights_floor_s * 1e3, 2),
+            "step_over_weights_floor": round(step_s / weights_floor_s, 3),
             # K/V that attention reads per step, the time a plain read of it takes, and the
             # ratio a step would have if it were only the linears plus that read
             "kv_read_mb_per_step": round(kv_bytes / 1e6, 1),
