@@ -32,6 +32,11 @@ class EngineConfig:
     num_threads: int | None = None  # CPU torch threads; None = physical cores available
     max_queue: int = 1024  # waiting sequences beyond which the server sheds load
     max_n: int = 128  # choices (n) one request may ask for: OpenAI's own limit
+    # Structured outputs (engine.structured): a compile's wall-clock limit in its worker process,
+    # the grammar memory (cached and in use) and the worker processes
+    structured_compile_timeout_s: float = 5.0
+    structured_cache_memory: int = 256 * 2**20
+    structured_compile_workers: int = 1
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -44,3 +49,5 @@ class EngineConfig:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.max_queue < 1 or self.max_n < 1:
             raise ValueError("max_queue and max_n must be >= 1")
+        if not self.structured_compile_timeout_s > 0 or self.structured_compile_workers < 1:
+            raise ValueError("structured compiles need a positive timeout and at least one worker")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import CompletionOutput, RequestOutput
@@ -25,6 +25,7 @@ class FakeStats:
     generation_tokens: int = 0
     num_blocks: int = 64
     block_size: int = 16
+    grammar_failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -4,18 +4,22 @@ One step = schedule -> run the model -> advance progress -> sample -> append, de
 conditions -> RequestOutput deltas. The core is synchronous and single-threaded; the server drives
 it from its own thread.
 
-A constrained request (SamplingParams.structured) enters the scheduler once its grammar has
-compiled (engine.structured, on the compiler's own thread; the server awaits that compile at
-admission, so it is usually cached by then); each of its sequences gets a matcher, which the
-sampler masks with and which takes every token the sequence appends. A grammar that terminates
-finishes its sequence with "stop".
+A constrained request (SamplingParams.structured) holds a ticket on its grammar for as long as
+it lives and enters the scheduler once the grammar has compiled (engine.structured, in a worker
+process; the server awaits that compile at admission, so it is usually cached by then); each of
+its sequences gets a matcher, which the sampler masks with and which takes every token the
+sequence appends. A grammar that terminates finishes its sequence with "stop"; one that refuses
+the sampled token (it allows none, or the library gave up on its size) ends the request with a
+400 in its output (RequestOutput.error), and the token is not emitted: a reply never breaks its
+constraint.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +37,18 @@ from engine.core.sequence import (
     SequenceStatus,
     TokenLogprob,
 )
-from engine.errors import EngineBusyError, EngineSleepingError, InvalidRequestError
+from engine.errors import EngineBusyError, EngineError, EngineSleepingError, InvalidRequestError
 from engine.model.footprint import MemoryFootprint
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.model.step_profile import BATCH, FORWARD, POSTPROCESS, SAMPLE, SCHEDULE
-from engine.structured.compiler import CompiledGrammar, GrammarCompiler
+from engine.structured.compiler import (
+    CompilerStats,
+    CompileSettings,
+    GrammarCompiler,
+    GrammarTicket,
+)
+from engine.structured.matcher import GrammarMatcher
 
 log = logging.getLogger("engine.core")
 
@@ -61,12 +71,15 @@ class EngineStats:
     generation_tokens: int
     num_blocks: int
     block_size: int
+    # requests a grammar ended mid-output, by error code (grammar_dead_end, grammar_too_complex)
+    grammar_failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class _Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
+    grammar: GrammarTicket | None = None  # held until the request ends
     started: bool = False  # first output sent
     pending: dict[int, CompletionOutput] = field(default_factory=dict)  # this step's deltas
 
@@ -89,8 +102,18 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
-        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
-        self._compiling: dict[str, Future[CompiledGrammar]] = {}  # requests awaiting a grammar
+        self.grammars = GrammarCompiler(
+            loaded.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            CompileSettings(
+                timeout_s=config.structured_compile_timeout_s,
+                cache_memory=config.structured_cache_memory,
+                workers=config.structured_compile_workers,
+            ),
+        )
+        self._compiling: set[str] = set()  # requests whose grammar is still compiling
+        self._grammar_failures: Counter[str] = Counter()
         # where a step's time goes, off until a benchmark turns it on (engine.model.step_profile)
         self.profile = self.runner.profile
         self._requests: dict[str, _Request] = {}
@@ -113,9 +136,10 @@ class EngineCore:
         self._validate(request_id, prompt_token_ids, params)
         grammar = None
         if params.structured is not None:
-            grammar = self.grammars.submit(params.structured)
-            if grammar.done():
-                grammar.result()  # a constraint that failed to compile refuses the request now
+            grammar = self.grammars.request(params.structured)
+            if grammar.future.done() and grammar.future.exception() is not None:
+                grammar.release()
+                raise grammar.future.exception()  # a constraint that failed refuses it now
         seqs = []
         for index in range(params.n):
             seqs.append(
@@ -132,40 +156,38 @@ class EngineCore:
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs
         ]
-        self._requests[request_id] = _Request(seqs, detokenizers)
-        if grammar is None or grammar.done():
-            self._schedule(seqs, grammar)
+        request = self._requests[request_id] = _Request(seqs, detokenizers, grammar)
+        if grammar is None or grammar.future.done():
+            self._schedule(request)
         else:
-            self._compiling[request_id] = grammar
+            self._compiling.add(request_id)
 
-    def _schedule(self, seqs: list[Sequence], grammar: Future[CompiledGrammar] | None) -> None:
-        if grammar is not None:
-            compiled = grammar.result()
-            for seq in seqs:
+    def _schedule(self, request: _Request) -> None:
+        if request.grammar is not None:
+            compiled = request.grammar.future.result()
+            for seq in request.seqs:
                 seq.matcher = compiled.matcher()
-        self.scheduler.add(seqs)
+        self.scheduler.add(request.seqs)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar has compiled go to the scheduler; those whose compile failed
-        end with "abort" (the server compiles at admission, so only direct callers see this)."""
+        end with its error (the server compiles at admission, so only direct callers see
+        this)."""
         outputs = []
-        for request_id, grammar in list(self._compiling.items()):
-            if not grammar.done():
-                continue
-            del self._compiling[request_id]
+        for request_id in list(self._compiling):
             request = self._requests[request_id]
-            error = grammar.exception()
+            assert request.grammar is not None
+            future = request.grammar.future
+            if not future.done():
+                continue
+            self._compiling.discard(request_id)
+            error = future.exception()
             if error is None:
-                self._schedule(request.seqs, grammar)
+                self._schedule(request)
                 continue
             log.warning("request %s: its constraint did not compile: %s", request_id, error)
-            for seq in request.seqs:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = "abort"
-                request.pending[seq.choice_index] = CompletionOutput(
-                    seq.choice_index, [], "", finish_reason="abort"
-                )
-            outputs.append(self._emit(request_id, request))
+            assert isinstance(error, EngineError)
+            outputs.append(self._fail(request_id, request, error))
         return outputs
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -200,9 +222,12 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (its blocks are freed at once); unknown ids are ignored."""
-        if self._requests.pop(request_id, None) is not None:
-            self._compiling.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self._compiling.discard(request_id)
             self.scheduler.abort(request_id)
+            if request.grammar is not None:
+                request.grammar.release()
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -215,7 +240,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.is_empty:
             if self._compiling and not compiled:
-                wait(self._compiling.values(), GRAMMAR_WAIT_S, FIRST_COMPLETED)
+                futures = [self._requests[r].grammar.future for r in self._compiling]  # type: ignore[union-attr]
+                wait(futures, GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return compiled
         laps.lap(SCHEDULE)
         batch = out.to_step_batch()
@@ -241,22 +267,23 @@ class EngineCore:
         self, seqs: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprob | None]
     ) -> list[RequestOutput]:
         touched: dict[str, _Request] = {}
+        failed: list[RequestOutput] = []
         now = time.monotonic()
         for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
             request = self._requests.get(seq.request_id)
             if request is None or seq.is_finished:
                 continue
+            if seq.matcher is not None and not seq.matcher.accept(token):
+                # The sampler picks only allowed tokens, so the grammar allowed none here, or
+                # the library gave up on it: the request ends with the error, without the token.
+                failed.append(self._fail(seq.request_id, request, self._grammar_failed(seq)))
+                touched.pop(seq.request_id, None)
+                continue
             seq.append_token(token)
-            # The sampler only picks tokens the grammar allows: a bug if ever refused.
-            off_grammar = seq.matcher is not None and not seq.matcher.accept(token)
-            if off_grammar:
-                log.error("request %s: token %d refused by its grammar", seq.request_id, token)
             self._generation_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             text, reason = self._detokenize_and_check(seq, request, token)
-            if off_grammar:
-                reason = "abort"  # its matcher can go no further
             delta = request.pending.get(seq.choice_index)
             if delta is None:
                 delta = request.pending[seq.choice_index] = CompletionOutput(
@@ -273,7 +300,36 @@ class EngineCore:
                 delta.finish_reason = reason
                 self.scheduler.finish(seq, reason)
             touched[seq.request_id] = request
-        return [self._emit(request_id, request) for request_id, request in touched.items()]
+        return failed + [self._emit(request_id, request) for request_id, request in touched.items()]
+
+    def _grammar_failed(self, seq: Sequence) -> InvalidRequestError:
+        matcher = seq.matcher
+        assert isinstance(matcher, GrammarMatcher)
+        tokens = seq.num_output_tokens
+        if matcher.gave_up:
+            first = matcher.error.strip().splitlines()[0][:300] if matcher.error else ""
+            message = (
+                f"the constraint is too complex for the grammar library after {tokens} tokens "
+                f"of output: {first}"
+            )
+            code = "grammar_too_complex"
+        else:
+            message = f"the constraint allows no token after {tokens} tokens of output"
+            code = "grammar_dead_end"
+        log.warning("request %s: %s", seq.request_id, message)
+        self._grammar_failures[code] += 1
+        return InvalidRequestError(message, code=code)
+
+    def _fail(self, request_id: str, request: _Request, error: EngineError) -> RequestOutput:
+        """Ends every sequence of the request; its last output carries `error`."""
+        self.scheduler.abort(request_id)
+        for seq in request.seqs:  # those never scheduled (their grammar failed to compile)
+            if not seq.is_finished:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        request.pending = {}
+        output = self._emit(request_id, request)
+        output.error = error
+        return output
 
     def _detokenize_and_check(
         self, seq: Sequence, request: _Request, token: int
@@ -319,6 +375,8 @@ class EngineCore:
         request.pending = {}
         if finished:
             del self._requests[request_id]
+            if request.grammar is not None:
+                request.grammar.release()
         return output
 
     # ------------------------------------------------------------------ sleep and wake
@@ -331,6 +389,7 @@ class EngineCore:
             raise EngineBusyError(f"cannot sleep with {count} request{'s' * (count != 1)} running")
         self.runner.sleep()
         self.block_manager.reset()  # the cached prefixes lived in the freed pools
+        self.grammars.clear()  # cached grammars and idle compile workers go too
 
     def wake_up(self) -> None:
         """Weights and a zeroed KV cache back, with an empty prefix cache; a no-op when awake."""
@@ -340,6 +399,10 @@ class EngineCore:
         return self.runner.footprint()
 
     # --------------------------------------------------------------------------- stats
+    def grammar_stats(self) -> CompilerStats:
+        """The grammar compiler's memory and outcomes (reads /proc: not once a step)."""
+        return self.grammars.stats()
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -354,4 +417,5 @@ class EngineCore:
             generation_tokens=self._generation_tokens,
             num_blocks=self.runner.num_blocks,
             block_size=self.config.block_size,
+            grammar_failures=dict(self._grammar_failures),
         )

@@ -100,6 +100,12 @@ class Sampler:
         matchers = [matcher for i in rows if (matcher := seqs[i].matcher) is not None]
         bitmask = allocate_bitmask(len(rows), scores.shape[1])
         self._mask_filler.fill(matchers, bitmask)
+        # A row that allows nothing (its grammar is at a dead end, or the library gave up on it)
+        # is left unmasked rather than all -inf: its pick is then any token, which its matcher
+        # refuses, and the core ends the request with the error (engine_core.py).
+        dead = ~bitmask.any(dim=1)
+        if bool(dead.any()):
+            bitmask[dead] = -1
         # One thread: on shared cores a second one's wake-up costs more than it saves, and
         # sometimes milliseconds (docs/PERFORMANCE.md#structured-outputs).
         with split_threads(torch.get_num_threads()):

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from engine.core.sampling_params import SamplingParams
+from engine.errors import EngineError
 from engine.structured.matcher import GrammarMatcher
 
 
@@ -117,3 +118,6 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     queue_time_s: float | None = None  # set on the first output: first scheduled - arrival
+    # the request failed (its grammar allowed no token, say): its last output; the server answers
+    # with the error (in-band once a stream has begun)
+    error: EngineError | None = None

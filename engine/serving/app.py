@@ -111,20 +111,29 @@ async def _generate(request: web.Request, parse: Any) -> web.StreamResponse:
     limits = engine.limits
     parsed: requests.GenerationRequest = parse(body, limits)  # the cheap checks, n's bound too
     engine.check_accepting(parsed.params.n)  # before the costly part
-    if parsed.params.structured is not None:  # a bad constraint is a 400 before any streaming
-        await engine.compile_grammar(parsed.params.structured, structured_param(body))
-    parsed.prompt_token_ids = await engine.on_prompt_thread(
-        lambda tokenizer: requests.encode_prompt(parsed, tokenizer, limits)
-    )
-    request_id = new_request_id(parsed.kind)
-    builder = ResponseBuilder(parsed, request_id, model, engine.tokenizer)
-    # Leaving the context early (client disconnect cancels this handler) aborts the request.
-    async with engine.generate(request_id, parsed.prompt_token_ids, parsed.params) as outputs:
-        if not parsed.stream:
-            async for out in outputs:
-                builder.add(out)
-            return web.json_response(builder.response(), dumps=_dumps)
-        return await _stream(request, builder, outputs)
+    # The constraint compiles (in a worker process) while the prompt is templated and tokenised;
+    # a bad one is a 400 before any streaming. The ticket holds its grammar until the reply
+    # ends; a client that leaves releases it, which cancels a compile nobody else waits for.
+    constraint, param = parsed.params.structured, structured_param(body)
+    ticket = engine.request_grammar(constraint, param) if constraint is not None else None
+    try:
+        parsed.prompt_token_ids = await engine.on_prompt_thread(
+            lambda tokenizer: requests.encode_prompt(parsed, tokenizer, limits)
+        )
+        if ticket is not None:
+            await engine.wait_grammar(ticket, param)
+        request_id = new_request_id(parsed.kind)
+        builder = ResponseBuilder(parsed, request_id, model, engine.tokenizer)
+        # Leaving the context early (client disconnect cancels this handler) aborts the request.
+        async with engine.generate(request_id, parsed.prompt_token_ids, parsed.params) as outputs:
+            if not parsed.stream:
+                async for out in outputs:
+                    builder.add(out)
+                return web.json_response(builder.response(), dumps=_dumps)
+            return await _stream(request, builder, outputs)
+    finally:
+        if ticket is not None:
+            ticket.release()
 
 
 async def _stream(
@@ -265,7 +274,9 @@ async def is_sleeping(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     engine = _engine(request)
     model = request.app[SETTINGS_KEY].served_model_names[0]
-    return web.json_response(status_body(model, engine.sleeping, engine.footprint))
+    return web.json_response(
+        status_body(model, engine.sleeping, engine.footprint, engine.grammar_stats())
+    )
 
 
 # ---- app -----------------------------------------------------------------------------------

@@ -15,19 +15,27 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.core.sequence import RequestOutput
-from engine.errors import EngineBusyError, EngineError, InvalidRequestError
+from engine.errors import (
+    EngineBusyError,
+    EngineError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+)
 from engine.serving.commands import AbortRequest, AddRequest, EngineCommand, Sleep, WakeUp
-from engine.serving.errors import EngineDeadError, ServiceUnavailableError
+from engine.serving.errors import EngineDeadError
 from engine.serving.metrics import EngineMetrics
 from engine.serving.requests import RequestLimits, longest_token_chars
+
+if TYPE_CHECKING:
+    from engine.core.engine_core import CompilerStats, GrammarTicket
 
 log = logging.getLogger("engine.async")
 _T = TypeVar("_T")
@@ -122,6 +130,7 @@ class AsyncEngine:
             lambda: self._stats,
             lambda: self._pending_adds,
             footprint=lambda: self.footprint,
+            grammars=self.grammar_stats,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -196,6 +205,9 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._prompt_thread.shutdown(wait=False, cancel_futures=True)
+        compiler = getattr(self.core, "grammars", None)
+        if compiler is not None:
+            compiler.shutdown()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
 
@@ -282,21 +294,31 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._prompt_thread, work, self._prompt_tokenizer)
 
-    async def compile_grammar(self, constraint: StructuredOutput, param: str) -> None:
-        """Compile a request's constraint on the core's compiler threads (engine.structured;
-        cached), so a bad one is a 400 naming `param` before the request is accepted, and the
-        core finds it compiled. Neither this loop nor the step loop waits on the compile."""
+    def request_grammar(self, constraint: StructuredOutput, param: str) -> GrammarTicket:
+        """Start (or find cached) the compile of a request's constraint (engine.structured: in a
+        worker process, then built on the compiler's threads), so that a bad one is a 400
+        naming `param` before the request is accepted and the core finds it compiled. The
+        caller awaits it with `wait_grammar` and releases the ticket when the request ends."""
         self.check_loaded()
         compiler = getattr(self.core, "grammars", None)
         if compiler is None:
             raise InvalidRequestError(
                 "this engine does not support structured outputs", param=param
             )
-        # Shielded: a client that leaves must not cancel the compile other requests share.
-        try:
-            await asyncio.shield(asyncio.wrap_future(compiler.submit(constraint)))
-        except InvalidRequestError as error:
-            raise InvalidRequestError(error.message, param=param, code=error.code) from None
+        with _naming(param):
+            return compiler.request(constraint)
+
+    async def wait_grammar(self, ticket: GrammarTicket, param: str) -> None:
+        """Returns once the ticket's grammar has compiled; raises its refusal. Neither this loop
+        nor the step loop waits on the compile; a client that leaves releases its ticket (the
+        caller's `finally`), which cancels a compile nobody else waits for."""
+        with _naming(param):
+            # Shielded: cancelling this wait must not cancel the future other requests share.
+            await asyncio.shield(asyncio.wrap_future(ticket.future))
+
+    def grammar_stats(self) -> CompilerStats | None:
+        stats = getattr(self.core, "grammar_stats", None)  # test doubles have none
+        return stats() if stats is not None else None
 
     @asynccontextmanager
     async def generate(
@@ -358,6 +380,11 @@ class AsyncEngine:
         for out in outputs:
             request = self._requests.get(out.request_id)
             if request is None:  # client already gone; its abort is on the way
+                continue
+            if out.error is not None:  # ended by the core: the client gets the error
+                request.finished = True
+                self.metrics.observe_finished("abort", step_end - request.arrival)
+                request.queue.put_nowait(out.error)
                 continue
             self._observe(request, out, step_end)
             if out.finished:
@@ -494,3 +521,12 @@ class AsyncEngine:
     def _publish_footprint(self, core: CoreLike) -> None:
         if isinstance(core, FootprintSource):
             self.footprint = core.footprint()
+
+
+@contextmanager
+def _naming(param: str) -> Iterator[None]:
+    """A constraint's refusals name the request field that carried it."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        raise InvalidRequestError(error.message, param=param, code=error.code) from None

@@ -131,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
         ("--max-n", {"type": _positive_int, "default": d["max_n"], "metavar": "N"},
          "most choices (n) one request may ask for, at most --max-queue; more gets 400 "
          "(default %(default)s)"),
+        ("--structured-compile-timeout", {"type": _seconds,
+                                          "default": d["structured_compile_timeout_s"],
+                                          "metavar": "S"},
+         "structured outputs: a constraint that does not compile within this (in its worker "
+         "process) gets 400 grammar_too_complex (default %(default)s)"),
+        ("--structured-cache-memory", {"type": _size, "default": d["structured_cache_memory"],
+                                       "metavar": "SIZE"},
+         "structured outputs: grammar memory, cached and in use; a larger grammar gets 400 "
+         "(default %(default)s bytes)"),
+        ("--structured-compile-workers", {"type": _positive_int,
+                                          "default": d["structured_compile_workers"],
+                                          "metavar": "N"},
+         "structured outputs: compile worker processes, started on demand (default %(default)s)"),
         ("--enable-prefix-caching", {"action": "store_true", "dest": "prefix_caching",
                                      "default": d["enable_prefix_caching"]},
          "reuse KV blocks of shared prompt prefixes (default on)"),
@@ -193,6 +206,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptio
             num_threads=args.num_threads,
             max_queue=args.max_queue,
             max_n=args.max_n,
+            structured_compile_timeout_s=args.structured_compile_timeout,
+            structured_cache_memory=args.structured_cache_memory,
+            structured_compile_workers=args.structured_compile_workers,
         )
     except ValueError as error:
         parser.error(str(error))

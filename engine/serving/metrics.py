@@ -17,6 +17,8 @@ LATENCY_BUCKETS = (
     1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
 )  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort")
+# How a grammar can end a request mid-output (engine/core/engine_core.py): zeros exported for both
+GRAMMAR_FAILURES = ("grammar_dead_end", "grammar_too_complex")
 
 
 class _StatsCollector(Collector):
@@ -31,17 +33,28 @@ class _StatsCollector(Collector):
         snapshot: Callable[[], Any],
         extra_waiting: Callable[[], int],
         footprint: Callable[[], Any],
+        grammars: Callable[[], Any],
     ):
         self._model_name = model_name
         self._snapshot = snapshot
         self._extra_waiting = extra_waiting
         self._footprint = footprint
+        self._grammars = grammars
 
     def collect(self) -> Iterator[Metric]:
         yield from self._footprint_gauges()
+        yield from self._grammar_metrics()
         stats = self._snapshot()
         if stats is None:  # model still loading: nothing meaningful to export yet
             return
+        failures = CounterMetricFamily(
+            "modelyard_engine_structured_output_failures",
+            "Requests a grammar ended mid-output with a 400, by error code.",
+            labels=["model_name", "code"],
+        )
+        for code in sorted({*GRAMMAR_FAILURES, *stats.grammar_failures}):
+            failures.add_metric([self._model_name, code], stats.grammar_failures.get(code, 0))
+        yield failures
         label = [self._model_name]
         gauges = [
             (
@@ -88,6 +101,33 @@ class _StatsCollector(Collector):
             counter.add_metric(label, float(value))
             yield counter
 
+    def _grammar_metrics(self) -> Iterator[Metric]:
+        grammars = self._grammars()
+        if grammars is None:  # loading, or a core without structured outputs
+            return
+        gauges = [
+            ("modelyard_engine_structured_cache_bytes",
+             "Grammar bytes cached or in use (as measured at compile).", grammars.cache_bytes),
+            ("modelyard_engine_structured_cache_budget_bytes",
+             "The grammar memory budget (--structured-cache-memory).",
+             grammars.cache_budget_bytes),
+            ("modelyard_engine_compile_workers_rss_bytes",
+             "Resident memory of the grammar-compile worker processes.",
+             grammars.workers_rss_bytes),
+        ]  # fmt: skip
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self._model_name], float(value))
+            yield gauge
+        compiles = CounterMetricFamily(
+            "modelyard_engine_structured_compiles",
+            "Constraint compiles by outcome: ok, a refusal's code (invalid: code null), cancelled.",
+            labels=["model_name", "outcome"],
+        )
+        for outcome, count in sorted(grammars.compiles.items()):
+            compiles.add_metric([self._model_name, outcome], count)
+        yield compiles
+
     def _footprint_gauges(self) -> Iterator[Metric]:
         footprint = self._footprint()
         if footprint is None:  # loading, or a core that does not measure it
@@ -126,10 +166,13 @@ class EngineMetrics:
         extra_waiting: Callable[[], int] = lambda: 0,
         *,
         footprint: Callable[[], Any],
+        grammars: Callable[[], Any] = lambda: None,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_StatsCollector(model_name, snapshot, extra_waiting, footprint))
+        self.registry.register(
+            _StatsCollector(model_name, snapshot, extra_waiting, footprint, grammars)
+        )
         labels = ["model_name"]
 
         def histogram(name: str, doc: str) -> Histogram:

@@ -5,6 +5,7 @@ on the prompt thread, with that thread's own tokenizer."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from common.errors import excerpt
@@ -107,6 +108,12 @@ def parse_messages(raw: Any) -> list[dict[str, Any]]:
     return [_message(i, message) for i, message in enumerate(raw)]
 
 
+def prompt_items(messages: list[dict[str, Any]]) -> int:
+    """The pieces a chat template renders one by one: messages and earlier tool calls (each
+    takes at least one token, its role or call markers, even with empty content)."""
+    return len(messages) + sum(len(m.get("tool_calls", ())) for m in messages)
+
+
 def prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
     """The characters of a chat the template renders: the texts, earlier calls and tools."""
     chars = sum(len(m["content"] or "") for m in messages)
@@ -121,10 +128,12 @@ def apply_chat_template(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    check_text: Callable[[str], None] = lambda text: None,
 ) -> list[int]:
     """Parsed ``messages`` (and OpenAI ``tools``) through the model's chat template, then
-    tokenised. A template that ignores tools gets them, and the conversation's earlier calls and
-    results, in the Hermes format (engine/serving/tools/rendering.py)."""
+    tokenised (``check_text`` sees the template's output first: the prompt cap). A template that
+    ignores tools gets them, and the conversation's earlier calls and results, in the Hermes
+    format (engine/serving/tools/rendering.py)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template; use /v1/completions")
     uses_tools = bool(tools) or any(m["role"] == "tool" or "tool_calls" in m for m in messages)
@@ -143,6 +152,7 @@ def apply_chat_template(
             f"chat template error: {excerpt(str(error))}", param="messages"
         ) from error
     check_tools_shown(text, section)
+    check_text(text)
     # The template already writes any BOS/special tokens it wants.
     return encode_text(tokenizer, text, "messages", add_special_tokens=False)
 

@@ -14,7 +14,13 @@ from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.serving.prompts import apply_chat_template, encode_text, parse_messages, prompt_chars
+from engine.serving.prompts import (
+    apply_chat_template,
+    encode_text,
+    parse_messages,
+    prompt_chars,
+    prompt_items,
+)
 from engine.serving.request_fields import (
     bad_field,
     check_token_ids,
@@ -55,6 +61,18 @@ class RequestLimits:
     @property
     def max_prompt_chars(self) -> int:
         return self.max_model_len * self.longest_token_chars * _NORMALIZER_FOLD
+
+    def check_prompt_items(self, items: int, param: str) -> None:
+        """Refuse a chat of more messages (and earlier tool calls) than max_model_len: each
+        renders to one token at least, so its template work would be spent on a refusal."""
+        if items > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                f"chat's {items} messages and tool calls take one token each at least. Please "
+                "reduce the number of messages.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """Refuse a prompt that cannot fit without paying for its template and tokenisation."""
@@ -208,9 +226,17 @@ def _encode_chat(
 ) -> list[int]:
     """A chat's token ids through the template, its text measured against the prompt cap first."""
     messages = parse_messages(raw_messages)
+    limits.check_prompt_items(prompt_items(messages), "messages")
     tool_dicts = [tool.as_openai() for tool in tools.tools] if tools else None
     limits.check_prompt_chars(prompt_chars(messages, tool_dicts), "messages")
-    return apply_chat_template(tokenizer, messages, add_generation_prompt, tool_dicts)
+    return apply_chat_template(
+        tokenizer,
+        messages,
+        add_generation_prompt,
+        tool_dicts,
+        # what the template made of them, before it is tokenised
+        check_text=lambda text: limits.check_prompt_chars(len(text), "messages"),
+    )
 
 
 # ---- chat ----------------------------------------------------------------------------------
@@ -233,6 +259,7 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
     model, stream, include_usage = _common(body)
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise bad_field("messages", "must be a non-empty array of messages")
+    limits.check_prompt_items(len(body["messages"]), "messages")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     params = _sampling_params(body, max_tokens, _chat_logprobs(body), limits)
     tools = parse_tool_request(body)
@@ -301,6 +328,8 @@ def parse_tokenize_request(body: dict, limits: RequestLimits) -> Callable[[Any],
     """/tokenize's fields, checked; returns the tokenising (of messages or text) to run off the
     event loop, given that thread's tokenizer."""
     if "messages" in body:
+        if isinstance(body["messages"], list):  # its length is free: before any parsing
+            limits.check_prompt_items(len(body["messages"]), "messages")
         add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
         tools = parse_tool_request(body)
 

@@ -29,10 +29,29 @@ def peak_rss_bytes() -> int | None:
     return None
 
 
-def status_body(model: str, sleeping: bool, footprint: Any) -> dict[str, Any]:
+def structured_memory(grammars: Any) -> dict[str, int]:
+    """What structured outputs hold (engine.structured.compiler.CompilerStats): grammars cached
+    or in use (inside rss_bytes), their budget, the compile workers (child processes, outside
+    it), and what all of it may still add to rss_bytes plus the workers' (a supervisor plans
+    with rss_bytes + that)."""
+    if grammars is None:
+        return {}
+    return {
+        "structured_cache_bytes": grammars.cache_bytes,
+        "structured_cache_budget_bytes": grammars.cache_budget_bytes,
+        "compile_workers_rss_bytes": grammars.workers_rss_bytes,
+        "structured_headroom_bytes": grammars.headroom_bytes,
+    }
+
+
+def status_body(model: str, sleeping: bool, footprint: Any, grammars: Any = None) -> dict[str, Any]:
     """``footprint``: the core's MemoryFootprint (engine.model.footprint), None where the core
-    does not measure one."""
-    process = {"rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes()}
+    does not measure one; ``grammars``: its compiler's CompilerStats, None without one."""
+    process = {
+        "rss_bytes": rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
+        **structured_memory(grammars),
+    }
     if footprint is None:
         return {"model": model, "sleeping": sleeping, "memory": process}
     memory = {

@@ -10,7 +10,12 @@ import llguidance
 
 from common.errors import excerpt
 from engine.errors import InvalidRequestError
-from engine.structured.schema_check import describe_library_error, load_schema, schema_error
+from engine.structured.schema_check import (
+    describe_library_error,
+    load_schema,
+    parse_schema,
+    schema_error,
+)
 
 # JSON as `json.dumps` writes it: ", " and ": " between items, no other whitespace. Fixed
 # separators keep small models from wandering into endless whitespace that a flexible grammar
@@ -34,6 +39,12 @@ class Constraint(Protocol):
 
 def _invalid(kind: str, problem: str) -> InvalidRequestError:
     return InvalidRequestError(f"invalid {kind} constraint: {problem}", param="response_format")
+
+
+def load_constraint_schema(constraint: Constraint) -> Any:
+    """A json_schema constraint's schema parsed (not yet checked against its metaschema), for the
+    static limits; None for the other kinds."""
+    return parse_schema(constraint.value) if constraint.kind == "json_schema" else None
 
 
 def grammar_for(constraint: Constraint) -> tuple[str, Any]:
@@ -70,3 +81,20 @@ def library_error(constraint: Constraint, message: str, schema: Any) -> InvalidR
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     kept = lines[:1] + [line for line in lines[1:] if line.startswith("error:")]
     return _invalid(constraint.kind, excerpt(" ".join(kept) or "unknown error", 300))
+
+
+# llguidance's stop reasons when it gives up on a grammar's size (its limits on lexer states,
+# Earley items and fuel). After a failed token it reports InternalError instead, and its state
+# dump names some stop reason whatever happened: the error's first line tells a refused token
+# from a give-up.
+TOO_COMPLEX_STOPS = ("ParserTooComplex", "LexerTooComplex")
+_TOKEN_REFUSED = "doesn't satisfy the grammar"
+
+
+def gave_up(matcher: llguidance.LLMatcher) -> bool:
+    """Whether a matcher in error gave up on the grammar's size (its limits), rather than the
+    grammar ruling the token out."""
+    if matcher.stop_reason() in TOO_COMPLEX_STOPS:
+        return True
+    lines = matcher.get_error().strip().splitlines()
+    return bool(lines) and _TOKEN_REFUSED not in lines[0]

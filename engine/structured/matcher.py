@@ -7,6 +7,8 @@ import llguidance
 import llguidance.torch
 import torch
 
+from engine.structured.grammars import gave_up
+
 
 class GrammarMatcher:
     """An llguidance matcher and the number of tokens it has taken."""
@@ -23,6 +25,11 @@ class GrammarMatcher:
     @property
     def error(self) -> str:
         return self._matcher.get_error()
+
+    @property
+    def gave_up(self) -> bool:
+        """In error because the library gave up on the grammar's size (engine.structured)."""
+        return gave_up(self._matcher)
 
     def accept(self, token_id: int) -> bool:
         """Advance by `token_id`; False (the matcher then stays in error) if the grammar forbids

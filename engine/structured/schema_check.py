@@ -29,14 +29,22 @@ def schema_error(message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param="response_format")
 
 
-def load_schema(text: str) -> Any:
-    """The schema in `text`, checked against its metaschema (its `$schema`, else 2020-12)."""
+def parse_schema(text: str) -> Any:
+    """The schema in `text` as JSON (an object or a boolean), not yet checked."""
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as error:
         raise schema_error(f"the JSON schema is not valid JSON: {error}") from None
+    except RecursionError:
+        raise schema_error("the JSON schema is nested too deeply to parse") from None
     if not isinstance(schema, (dict, bool)):
         raise schema_error("the JSON schema must be an object or a boolean")
+    return schema
+
+
+def load_schema(text: str) -> Any:
+    """The schema in `text`, checked against its metaschema (its `$schema`, else 2020-12)."""
+    schema = parse_schema(text)
     validator = validators.validator_for(schema, default=validators.Draft202012Validator)
     try:
         validator.check_schema(schema)

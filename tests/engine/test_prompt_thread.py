@@ -141,3 +141,47 @@ def test_the_prompt_cap_is_max_model_len_tokens_of_the_longest_token_four_times(
     with pytest.raises(InvalidRequestError) as refused:
         parse_completion_request({"prompt": "x" * (limits.max_prompt_chars + 1)}, limits)
     assert refused.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+async def test_a_chat_of_more_messages_than_tokens_is_refused_before_templating(
+    slow_tokenizer, path
+):
+    """120,000 empty messages (3.96 MB) passed the character cap and held the prompt thread
+    4-8 s each: every message takes a token at least, so more than max_model_len are refused
+    at once, on the event loop."""
+    srv = await InProcessServer(
+        lambda: FakeCore(slow_tokenizer, max_model_len=64), ["tiny"], max_body_bytes=8 << 20
+    ).start()
+    try:
+        messages = [{"role": "user", "content": ""}] * 120_000
+        request = asyncio.create_task(post(srv.url + path, {"model": "tiny", "messages": messages}))
+        worst = await _max_health_latency(srv.url, request)
+        status, payload, _ = await request
+        assert status == 400
+        error = openai_error(payload, code="context_length_exceeded", param="messages")
+        assert "120000 messages" in error["message"]
+        assert SlowTokenizer.threads == [] and worst < 0.5
+        await assert_still_serves(srv)
+    finally:
+        await srv.stop()
+
+
+async def test_the_template_output_counts_against_the_prompt_cap(slow_tokenizer):
+    """Messages whose texts fit the cap, but whose template output does not: refused before
+    tokenising."""
+    srv = await InProcessServer(
+        lambda: FakeCore(slow_tokenizer, max_model_len=64), ["tiny"]
+    ).start()
+    try:
+        cap = 64 * longest_token_chars(slow_tokenizer) * 4
+        count = 60
+        text = "x" * (cap // count - 1)  # the texts alone fit; each message's markers do not
+        messages = [{"role": "user", "content": text}] * count
+        status, payload, _ = await post(srv.url + CHAT, {"model": "tiny", "messages": messages})
+        assert status == 400
+        error = openai_error(payload, code="context_length_exceeded", param="messages")
+        assert f"at most {cap}" in error["message"]
+        assert SlowTokenizer.threads == []
+    finally:
+        await srv.stop()

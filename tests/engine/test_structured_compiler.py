@@ -5,8 +5,8 @@ expansion against a bit-by-bit reference."""
 from __future__ import annotations
 
 import json
-import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,13 +14,15 @@ import torch
 from engine.core.sampling_params import StructuredOutput
 from engine.errors import InvalidRequestError
 from engine.structured.bitmask import BitmaskApplier, allocate_bitmask
-from engine.structured.compiler import GrammarCompiler
+from engine.structured.compiler import CompileSettings, GrammarCompiler
 from engine.structured.schema_check import keyword_paths
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+def compiler(tokenizer) -> Iterator[GrammarCompiler]:
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    yield compiler
+    compiler.shutdown()
 
 
 def schema(value: object) -> StructuredOutput:
@@ -128,39 +130,36 @@ def test_keyword_paths_skip_property_names() -> None:
 
 
 def test_cache_returns_the_same_compile(tokenizer) -> None:
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, max_cached=2)
+    settings = CompileSettings(max_entries=2)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, settings)
     one, two, three = (schema({"type": "integer", "maximum": m}) for m in (1, 2, 3))
-    first = compiler.submit(one)
-    first.result()
-    assert compiler.submit(StructuredOutput("json_schema", one.value)) is first  # keyed by value
-    compiler.submit(two).result()
-    compiler.submit(three).result()  # evicts `one`, the least recently used
-    assert compiler.submit(one) is not first
+    first = compiler.compile(one)
+    again = compiler.request(StructuredOutput("json_schema", one.value))  # keyed by value
+    assert again.future.result() is first
+    again.release()
+    compiler.compile(two)
+    compiler.compile(three)  # evicts `one`, the least recently used nobody holds
+    assert compiler.compile(one) is not first
+    compiler.shutdown()
 
 
 def test_failures_are_cached_too(compiler) -> None:
     bad = schema({"type": "nope"})
-    future = compiler.submit(bad)
+    ticket = compiler.request(bad)
     with pytest.raises(InvalidRequestError):
-        future.result()
-    assert compiler.submit(bad) is future
+        ticket.future.result(30)
+    ticket.release()
+    again = compiler.request(bad)
+    assert again.future is ticket.future
+    again.release()
 
 
-def test_compiles_run_off_the_calling_thread(tokenizer, monkeypatch) -> None:
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
-    gate = threading.Event()
-    real = compiler._compile
-
-    def slow(constraint):
-        gate.wait(10)
-        return real(constraint)
-
-    monkeypatch.setattr(compiler, "_compile", slow)
+def test_requests_do_not_wait_for_their_compile(compiler) -> None:
     started = time.monotonic()
-    future = compiler.submit(StructuredOutput("json_object"))
-    assert time.monotonic() - started < 1 and not future.done()  # submit does not wait
-    gate.set()
-    assert future.result(10).matcher() is not None
+    ticket = compiler.request(StructuredOutput("regex", "[a-c]{3}x"))
+    assert time.monotonic() - started < 1 and not ticket.future.done()  # a worker compiles it
+    assert ticket.future.result(30).matcher() is not None
+    ticket.release()
 
 
 def test_matchers_are_independent(compiler, tokenizer) -> None:

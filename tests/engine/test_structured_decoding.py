@@ -283,9 +283,9 @@ def held_compiles(core, monkeypatch) -> Iterator[threading.Event]:
     gate = threading.Event()
     real = core.grammars._compile
 
-    def held(constraint):
+    def held(worker, entry):
         gate.wait(30)
-        return real(constraint)
+        return real(worker, entry)
 
     monkeypatch.setattr(core.grammars, "_compile", held)
     yield gate
@@ -321,16 +321,17 @@ def test_a_failed_compile_refuses_the_request(core) -> None:
     assert "refused" not in core._requests
 
 
-def test_a_compile_failing_while_waiting_aborts(core, held_compiles) -> None:
-    core.add_request("aborted", PROMPT, schema_params({"type": "strin"}))
+def test_a_compile_failing_while_waiting_ends_with_its_error(core, held_compiles) -> None:
+    core.add_request("refused", PROMPT, schema_params({"type": "strin"}))
     held_compiles.set()
     deltas = []
     for _ in range(200):
         deltas += core.step()
         if deltas:
             break
-    assert [d.request_id for d in deltas] == ["aborted"] and deltas[0].finished
-    assert deltas[0].outputs[0].finish_reason == "abort" and not core.has_unfinished()
+    assert [d.request_id for d in deltas] == ["refused"] and deltas[0].finished
+    assert isinstance(deltas[0].error, InvalidRequestError) and not core.has_unfinished()
+    assert "$.type" in deltas[0].error.message
 
 
 # ---- the sampler on constrained rows ----

@@ -36,14 +36,26 @@ HERMES = (
 FORCED = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
+class _Compiled:
+    """A ticket whose grammar has compiled."""
+
+    def __init__(self, constraint: Any) -> None:
+        self.future: Future = Future()
+        self.future.set_result(constraint)
+
+    def release(self) -> None:
+        pass
+
+
 class _AcceptingCompiler:
-    """The engine.structured compiler's face the server awaits: every constraint compiles (the
+    """The engine.structured compiler's face the server uses: every constraint compiles (the
     scripted replies follow it)."""
 
-    def submit(self, constraint: Any) -> Future:
-        done: Future = Future()
-        done.set_result(constraint)
-        return done
+    def request(self, constraint: Any) -> _Compiled:
+        return _Compiled(constraint)
+
+    def shutdown(self) -> None:
+        pass
 
 
 class ScriptedCore(FakeCore):
