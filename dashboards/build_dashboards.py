@@ -293,6 +293,16 @@ GATEWAY_PANELS: list[Panel] = [
         ],
     ),
     (
+        "Poison requests / s",
+        "short",
+        [
+            (
+                "{{result}} {{model}}",
+                'sum by (model, result) (rate(modelyard_poison_requests_total{model=~"$model"}[$__rate_interval]))',
+            ),
+        ],
+    ),
+    (
         "Hold wait (p95)",
         "s",
         [

@@ -8,6 +8,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from common.errors import RequestRefused, excerpt
+from gateway.proxy.failures import UpstreamFailure
 from gateway.residency import ResidencyManager
 from gateway.state import GATEWAY_KEY
 
@@ -44,12 +45,10 @@ def _local_model(request: web.Request) -> tuple[ResidencyManager, str]:
 
 async def load(request: web.Request) -> web.Response:
     residency, name = _local_model(request)
-    if not await residency.load(name):
-        raise RequestRefused(
-            503,
-            f"Model '{name}' did not become ready; see its replicas in /admin/models.",
-            code="model_failed",
-        )
+    try:
+        await residency.load(name)
+    except UpstreamFailure as refused:  # model_failed, or model_unloaded by an unload meanwhile
+        return refused.response({})
     return web.json_response({"model": name, **residency.describe(name)})
 
 

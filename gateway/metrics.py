@@ -24,11 +24,20 @@ from gateway.replica import Replica, ReplicaState
 
 UNKNOWN_MODEL = "_unknown"
 # The fixed label values, exported as zeros up front (see declare_model).
-RETRY_REASONS = ("connect", "connect_timeout", "disconnect", "status_502", "status_503", "ejected")
+RETRY_REASONS = (
+    "connect",
+    "connect_timeout",
+    "disconnect",
+    "status_502",
+    "status_503",
+    "ejected",
+    "engine_crashed",
+)
 TIMEOUT_KINDS = ("connect", "first_byte", "idle", "total")
 RATE_LIMITS = ("key_requests", "key_tokens", "model_requests", "model_tokens", "concurrency")
 RELOAD_RESULTS = ("applied", "rejected")
-HOLD_REFUSALS = ("hold_queue_full", "model_loading_timeout", "model_failed")
+HOLD_REFUSALS = ("hold_queue_full", "model_loading_timeout", "model_failed", "model_unloaded")
+POISON_RESULTS = ("suspect", "cleared", "marked", "refused")  # gateway/proxy/quarantine.py
 LOAD_STATES = {ReplicaState.STARTING: "cold", ReplicaState.WAKING: "wake"}
 EVICTIONS = tuple((a, r) for a in ("park", "stop") for r in ("idle", "memory", "operator"))
 REPLICA_STATES = tuple(s.value for s in ReplicaState)
@@ -196,6 +205,13 @@ class GatewayMetrics:
             "Host memory the resident engines take, as planned (measured where reported)",
             registry=r,
         )
+        self.poison_requests = Counter(
+            "modelyard_poison_requests",
+            "Requests in flight when their engine crashed (suspect), and what came of them: "
+            "answered later (cleared), crashed it again on probation (marked), refused unsent",
+            ["model", "result"],
+            registry=r,
+        )
         self.model_memory = Gauge(
             "modelyard_model_footprint_bytes",
             "One replica's footprint, awake and parked (measured once reported, estimated before)",
@@ -210,6 +226,8 @@ class GatewayMetrics:
             self.hold_refused.labels(model, reason)
         for action, reason in EVICTIONS:
             self.evictions.labels(model, action, reason)
+        for result in POISON_RESULTS:
+            self.poison_requests.labels(model, result)
 
     def replica_changed(self, replica: Replica, old: ReplicaState) -> None:
         """The pool's transition hook: the replica's state series (one at 1, the others at 0),

@@ -3,9 +3,12 @@ lifecycle driven through its state machine (gateway/replica.py).
 
 Each replica runs ``python -m engine --model SRC --served-model-name NAME --host 127.0.0.1
 --port N ...`` on a free loopback port. It joins the router when it becomes READY; if its process
-exits unexpectedly it leaves the router and restarts after an exponential backoff (BACKOFF), until
-it has crashed ``MAX_CRASHES`` times in a row without running ``STABLE_AFTER_S``: then it is
-FAILED, with its last log lines, until an operator loads it or a config reload replaces it.
+exits unexpectedly it leaves the router and restarts after an exponential backoff (BACKOFF, reset
+once it has served ``STABLE_AFTER_S``). Only starts count towards giving up: after
+``MAX_CRASHES`` restarts in a row that never became ready it is FAILED, with its last log lines,
+until an operator loads it or a config reload replaces it. Crashes while serving never fail it: a
+request can cause them (gateway/proxy/quarantine.py), and one must not take the model down for
+everyone.
 
 A model is *active* when its replicas should serve: pinned models always, on-demand ones while the
 residency manager (gateway/residency) wants them. ``activate`` wakes parked replicas or starts
@@ -51,8 +54,8 @@ S = ReplicaState
 READY_POLL_S = 0.25
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
-STABLE_AFTER_S = 60.0  # a replica that ran this long without crashing resets its backoff
-MAX_CRASHES = 5  # crashes in a row (none stable) before a replica is FAILED
+STABLE_AFTER_S = 60.0  # a replica that served this long without crashing resets its backoff
+MAX_CRASHES = 5  # restarts in a row that never became ready before a replica is FAILED
 SLEEP_TIMEOUT_S = 120.0  # for POST /sleep and /wake_up (a weight copy, not a load)
 
 __all__ = ["ENGINE_LAUNCHER", "EnginePool", "engine_command"]
@@ -299,9 +302,10 @@ class EnginePool:
             self.publish(replica.model, [
                 r.url for r in self.replicas.get(replica.model, []) if r.state is S.READY
             ])  # fmt: skip
-        if replica.state is S.READY and replica.backend is None:
+        if replica.state is S.READY:
             # Kept so that draining can count its in-flight requests even after the router
-            # dropped it (say, because its model left the config).
+            # dropped it (say, because its model left the config). Taken anew at every READY: a
+            # woken replica's URL comes back to the router as a new backend.
             replica.backend = self.find_backend(replica.model, replica.url)
         if self.on_transition is not None:
             self.on_transition(replica, old)
@@ -311,7 +315,7 @@ class EnginePool:
     async def _supervise(self, replica: Replica) -> None:
         """Start, wait for /ready, watch; restart with backoff after an unexpected exit."""
         backoff = BACKOFF_BASE_S
-        crashes = 0
+        failed_starts = 0  # restarts in a row that never became ready
         while True:
             replica.port = free_port()
             # Spin-wait is decided here, at every start, from the fleet as configured now
@@ -331,8 +335,9 @@ class EnginePool:
             replica.backend = None
             replica.set_state(S.STARTING, f"pid {replica.proc.pid}")
             output = asyncio.create_task(relay_output(replica.proc, replica.log_tail))
-            started = time.monotonic()
+            ready_at: float | None = None
             if await self._wait_ready(replica, S.STARTING):
+                ready_at = time.monotonic()
                 replica.set_state(S.READY)
                 log.info("engine for %s ready at %s", replica.model, replica.url)
             elif replica.state is S.STARTING and replica.proc.returncode is None:
@@ -354,12 +359,12 @@ class EnginePool:
                 log.error("engine for %s exited with %s before it was ready", replica.model, code)
                 replica.set_state(S.FAILED, f"exited with {code} before it was ready")
                 return
-            crashes = 0 if time.monotonic() - started > STABLE_AFTER_S else crashes + 1
-            if crashes == 0:
+            failed_starts = 0 if ready_at is not None else failed_starts + 1
+            if ready_at is not None and time.monotonic() - ready_at > STABLE_AFTER_S:
                 backoff = BACKOFF_BASE_S
             replica.set_state(S.BACKOFF, f"exited with {code}; restart in {backoff:.1f}s")
-            if crashes >= MAX_CRASHES:
-                replica.set_state(S.FAILED, f"{crashes} crashes in a row")
+            if failed_starts >= MAX_CRASHES:
+                replica.set_state(S.FAILED, f"{failed_starts} restarts in a row never got ready")
                 return
             replica.restarts += 1
             deadline = time.monotonic() + backoff

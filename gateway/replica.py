@@ -7,6 +7,10 @@
                   │          └─► DRAINING ─► STOPPING ─► STOPPED
                   ├─► FAILED      (every running state ─► BACKOFF ─► STARTING after a crash)
 
+BACKOFF ─► FAILED only for a replica whose restarts keep dying before READY (the pool's
+``MAX_CRASHES`` in a row): a crash while serving is restarted however often it happens, since a
+request may have caused it.
+
 Only READY takes requests: the router is told the READY replicas of a model on every transition
 (the one setter, :meth:`Replica.set_state`, which also logs it and reports it to the metrics). A
 transition the table does not allow raises :class:`InvalidTransition`: a supervisor bug shows up
@@ -41,7 +45,8 @@ class ReplicaState(enum.Enum):
     DRAINING = "draining"  # out of the router, finishing its requests before it stops
     STOPPING = "stopping"  # SIGTERM sent (SIGKILL after stop_timeout_s)
     BACKOFF = "backoff"  # crashed; restarts after an exponential backoff
-    FAILED = "failed"  # would not start, or crashed too often: waits for an operator or a reload
+    # would not start, or its restarts kept dying before READY: waits for an operator or a reload
+    FAILED = "failed"
 
 
 S = ReplicaState

@@ -89,8 +89,15 @@ class Gateway:
             )
             self.residency = ResidencyManager(self.pool, self.router, self.metrics, self.config)
             self.pool.on_transition = self.residency.on_transition
-        hold = self.residency.wait_for_backend if self.residency else None
-        self.proxy = Proxy(self.session, self.health, self.metrics, gw.retries, hold)
+        residency = self.residency
+        self.proxy = Proxy(
+            self.session,
+            self.health,
+            self.metrics,
+            gw.retries,
+            residency.wait_for_backend if residency else None,
+            residency.engine_crashed if residency else None,
+        )
         self.health.sync()
         if self.pool is not None and self.residency is not None:
             # In the background: requests for models still loading wait in their hold lines.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +35,19 @@ class Exchange:
     last_failure: UpstreamFailure | None = None
     task: asyncio.Task | None = None  # the handler's task, cancelled if its backend is ejected
     evicted_from: Backend | None = None
+    probation: asyncio.Lock | None = None  # held while it runs as a crash suspect (quarantine.py)
+    _digest: bytes | None = None
+
+    def digest(self) -> bytes:
+        """What identifies the request whoever sends it: its model, path and body (computed on
+        first use, which only failures and crashes need)."""
+        if self._digest is None:
+            key = hashlib.blake2b(digest_size=16)
+            for part in (self.route.name.encode(), self.path.encode(), self.body):
+                key.update(len(part).to_bytes(8, "little"))
+                key.update(part)
+            self._digest = key.digest()
+        return self._digest
 
     def usage(self, usage: object) -> None:
         if isinstance(usage, dict):

@@ -3,6 +3,7 @@ the upstream statuses that decide what an answer means."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from aiohttp import web
@@ -20,6 +21,9 @@ GATEWAY_STATUSES = (502, 503, 504)
 _HINT_STATUSES = (429, 503)
 _HINT_HEADERS = ("retry-after", "retry-after-ms")
 _HINT_PREFIX = "x-ratelimit-"
+# The engine's answer while it sleeps (parked): a request that got it was routed to the replica just
+# before it was parked, and is held while the model wakes.
+SLEEPING_CODE = "engine_sleeping"
 _TIMEOUT_MESSAGES = {
     "first_byte": "The upstream did not start answering in time.",
     "idle": "The upstream stalled while answering.",
@@ -36,6 +40,16 @@ def backoff_hints(status: int, headers: Mapping[str, str]) -> dict[str, str]:
         for name, value in headers.items()
         if (lowered := name.lower()) in _HINT_HEADERS or lowered.startswith(_HINT_PREFIX)
     }
+
+
+def error_code(body: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI-style error body, None when it has none."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 class UpstreamFailure(Exception):
@@ -73,6 +87,11 @@ class Retryable(UpstreamFailure):
     """A failure before anything reached the client, worth a try on another replica."""
 
 
+class Asleep(Retryable):
+    """The engine answered 503 ``engine_sleeping``: its replica was parked under the request. Not
+    a failure of the backend: the request is held while the model wakes (retries.py)."""
+
+
 def disconnected(
     message: str,
     code: str = "upstream_disconnected",
@@ -97,6 +116,23 @@ def no_backend(model: str, retry_after_s: int) -> UpstreamFailure:
         "no_backend",
         headers={"Retry-After": str(retry_after_s)},
     )
+
+
+def engine_crashed() -> Retryable:
+    """The request was in flight when its engine's process died: a suspect (quarantine.py)."""
+    message = "The engine serving this request crashed."
+    code = "engine_crashed"
+    return Retryable(502, error_body(502, message, code), code, message=message)
+
+
+def request_crashed_engine(model: str, ttl_s: float) -> UpstreamFailure:
+    """A request that crashed its engine twice (quarantine.py): answered without forwarding it."""
+    message = (
+        f"This request crashed the engine of model '{model}' twice; the gateway will not forward "
+        f"it again for {ttl_s:g}s."
+    )
+    code = "request_crashed_engine"
+    return UpstreamFailure(502, error_body(502, message, code), code, message=message)
 
 
 def evicted() -> Retryable:

@@ -5,6 +5,11 @@ Retried: connect failures and timeouts, the upstream closing the connection befo
 replica not tried yet, after a jittered exponential backoff, within the retry budget. The first
 attempt runs outside tenacity: its machinery costs about 40 µs per call, a tenth of the
 gateway's whole per-request CPU.
+
+Two answers are not plain retries. A dropped connection whose engine crashed is judged by the
+quarantine (quarantine.py): a suspect is retried on probation, a poison request answered. A
+replica parked under the request (the engine's 503 ``engine_sleeping``) costs no attempt: the
+request is held while the model wakes (the hold wakes it), up to ``MAX_WAKE_WAITS`` times.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import failures
 from gateway.proxy.budget import RetryBudget
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.failures import Retryable, UpstreamFailure
+from gateway.proxy.failures import Asleep, Retryable, UpstreamFailure
+from gateway.proxy.quarantine import Quarantine
 from gateway.router import ModelRoute
 
 T = TypeVar("T")
@@ -32,6 +38,7 @@ Attempt = Callable[[Exchange, Backend], Awaitable[T]]  # one try on one backend
 # tried, or raises the UpstreamFailure the client gets; returns at once when there is nothing to
 # wait for.
 Hold = Callable[[ModelRoute, Collection[Backend]], Awaitable[None]]
+MAX_WAKE_WAITS = 3  # sleeping answers one request waits through (a park storm, not a parked model)
 
 
 class Retrier:
@@ -40,9 +47,11 @@ class Retrier:
         settings: RetrySettings,
         health: HealthMonitor,
         metrics: GatewayMetrics,
+        quarantine: Quarantine,
         hold: Hold | None = None,
     ) -> None:
         self.settings = settings
+        self.quarantine = quarantine
         self.hold = hold
         self.health = health
         self.metrics = metrics
@@ -86,6 +95,22 @@ class Retrier:
         raise AssertionError("unreachable: tenacity either returns or reraises")
 
     async def _try(self, ex: Exchange, attempt: Attempt[T], tried: list[Backend]) -> T:
+        """One attempt on a replica not tried yet (a crash suspect's once its probation turn has
+        come); sleeping answers send it back to the hold."""
+        await self.quarantine.admit(ex)
+        wakes = 0
+        while True:
+            backend = await self._backend(ex, tried)
+            try:
+                return await self._attempt(ex, attempt, backend, tried)
+            except Asleep as failure:
+                wakes += 1
+                if wakes > MAX_WAKE_WAITS:
+                    raise failure.final() from None
+
+    async def _backend(self, ex: Exchange, tried: list[Backend]) -> Backend:
+        """An available replica not tried yet, after holding the request while one is coming;
+        raises what the client gets when there is none."""
         backend = ex.route.pick(tried, ex.affinity_key)
         if backend is None and self.hold is not None:
             await self.hold(ex.route, tried)  # a replica loading or restarting: wait for it
@@ -94,14 +119,22 @@ class Retrier:
             if ex.last_failure is not None:  # every replica tried: answer with the last failure
                 raise ex.last_failure.final()
             raise failures.no_backend(ex.route.name, self.health.retry_after_s())
+        return backend
+
+    async def _attempt(
+        self, ex: Exchange, attempt: Attempt[T], backend: Backend, tried: list[Backend]
+    ) -> T:
         tried.append(backend)
         ex.backend = backend.label
         backend.waiting.add(ex)
         try:
             return await attempt(ex, backend)
         except Retryable as failure:
-            ex.last_failure = failure
-            raise
+            judged: UpstreamFailure = failure
+            if failure.reason == "disconnect":  # dropped: did the engine crash?
+                judged = await self.quarantine.judge(ex, backend) or failure
+            ex.last_failure = judged
+            raise judged from None
         except asyncio.CancelledError:
             if ex.evicted_from is not backend:
                 raise  # the client went away, or shutdown

@@ -15,6 +15,7 @@ from gateway.backend import Backend
 from gateway.proxy import failures
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.model_names import rename_for
+from gateway.proxy.quarantine import Quarantine
 from gateway.proxy.sse import SseRelay, sse_error_event
 from gateway.proxy.upstream import Answer, Upstream
 
@@ -82,9 +83,14 @@ async def open_stream(upstream: Upstream, ex: Exchange, backend: Backend) -> Ope
 
 
 async def relay(
-    upstream: Upstream, request: web.Request, ex: Exchange, opened: OpenedStream
+    upstream: Upstream,
+    quarantine: Quarantine,
+    request: web.Request,
+    ex: Exchange,
+    opened: OpenedStream,
 ) -> web.StreamResponse:
-    """Relays SSE events as they arrive; ends with an error event if the upstream fails."""
+    """Relays SSE events as they arrive; ends with an error event if the upstream fails (its
+    engine's crash judged by the quarantine)."""
     resp, backend = opened.resp, opened.backend
     timeouts = ex.route.config.timeouts
     loop = asyncio.get_running_loop()
@@ -137,15 +143,16 @@ async def relay(
             ex.status, ex.error = 499, "client_disconnected"
         else:
             upstream.failed(ex, backend)
-            ex.error = "upstream_disconnected"
-            await _try_write(
-                response,
-                sse_error_event(
-                    502,
-                    "The upstream failed in the middle of the stream.",
-                    "upstream_disconnected",
-                ),
-            )
+            crashed = await quarantine.judge(ex, backend)
+            if crashed is None:
+                ex.error = "upstream_disconnected"
+                event = sse_error_event(
+                    502, "The upstream failed in the middle of the stream.", ex.error
+                )
+            else:
+                ex.error = crashed.reason
+                event = sse_error_event(crashed.status, str(crashed), crashed.reason)
+            await _try_write(response, event)
     finally:
         backend.outstanding -= 1
         if events.done and not events.pending:

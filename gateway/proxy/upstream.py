@@ -17,9 +17,12 @@ from gateway.proxy.failures import (
     GATEWAY_STATUSES,
     JSON,
     RETRY_STATUSES,
+    SLEEPING_CODE,
+    Asleep,
     Retryable,
     UpstreamFailure,
     backoff_hints,
+    error_code,
 )
 
 
@@ -37,6 +40,11 @@ class Answer:
         return cls(
             resp.status, body, resp.content_type or JSON, backoff_hints(resp.status, resp.headers)
         )
+
+    @property
+    def asleep(self) -> bool:
+        """The engine's 503 ``engine_sleeping`` (the body is read only for a 503)."""
+        return self.status == 503 and error_code(self.body) == SLEEPING_CODE
 
     def failure(self, kind: type[UpstreamFailure] = UpstreamFailure) -> UpstreamFailure:
         return kind(
@@ -106,10 +114,13 @@ class Upstream:
         )
 
     def judge(self, ex: Exchange, backend: Backend, answer: Answer) -> None:
-        """Passive health bookkeeping for an answered attempt; raises for retryable answers."""
+        """Passive health bookkeeping for an answered attempt; raises for retryable answers. A
+        sleeping engine is not a failing one: it was parked under the request."""
         if answer.status < 500:
             self.succeeded(backend)
             return
+        if answer.asleep:
+            raise answer.failure(Asleep)
         self.failed(ex, backend, answered=answer.status not in GATEWAY_STATUSES)
         if answer.status in RETRY_STATUSES:
             raise answer.failure(Retryable)
@@ -120,8 +131,8 @@ class Upstream:
     def failed(self, ex: Exchange, backend: Backend, answered: bool = False) -> None:
         """``answered``: the upstream answered with an error status of its own (500, 501, ...),
         which the request may have caused: health counts it once per request signature, the
-        client and a digest of the body (computed only here, on failure)."""
-        signature = hash((ex.client, ex.body)) if answered else None
+        client and the request's digest (computed only here, on failure)."""
+        signature = hash((ex.client, ex.digest())) if answered else None
         self.health.record_failure(ex.route, backend, signature)
 
     def connection_failed(self, ex: Exchange, backend: Backend, failure: Retryable) -> Retryable:

@@ -1,9 +1,10 @@
 """What one engine replica takes: its memory awake and parked, on the host and on the GPU.
 
-Measured figures come from the engine's ``GET /status`` (``memory.rss_bytes``, plus
-``activation_bytes`` while awake) once it is ready and again once it is parked. Before a model's
-first measurement, an estimate: ``memory_estimate`` from models.yaml, or the runtime, the weights
-as the engine will hold them and the KV budget. A GGUF's weights are dequantised to fp32 and held
+Measured figures come from the engine's ``GET /status`` once it is ready and again once it is
+parked: its resident memory, and while awake what it may still grow by (see ``measured_bytes``).
+Before a model's first measurement, an estimate: ``memory_estimate`` from models.yaml, or the
+runtime, the weights as the engine will hold them, the KV budget and structured outputs' memory
+(the grammar cache budget, a compile worker). A GGUF's weights are dequantised to fp32 and held
 twice on CPU (the prepacked GEMM copy), about 13x the quantised file (SmolLM2-135M Q4_1: a 98 MB
 file, 1.8 GB resident besides its KV cache).
 """
@@ -14,10 +15,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.sizes import parse_size
 from gateway.config import ModelConfig
 
 RUNTIME_BYTES = 512 * 2**20  # interpreter, torch, tokenizer: what a parked engine keeps
 ENGINE_KV_DEFAULT = 512 * 2**20  # the engine's --kv-cache-memory default (engine/config.py)
+STRUCTURED_CACHE_FLAG = "--structured-cache-memory"  # compiled grammars the engine keeps
+ENGINE_STRUCTURED_CACHE_DEFAULT = 256 * 2**20  # that flag's default
+# One grammar-compile worker process (the engine's default count): the interpreter, llguidance
+# and the tokenizer (about 100 MB for a 49k vocabulary)
+COMPILE_WORKER_ESTIMATE = 128 * 2**20
 _GGUF_EXPANSION = 13
 _FOLDER_EXPANSION = 2  # fp32 checkpoint + its prepacked copy
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -42,15 +49,37 @@ class Footprint:
 
 
 def estimate(model: ModelConfig) -> Footprint:
-    """The footprint to plan with before the engine has reported one."""
+    """The footprint to plan with before the engine has reported one: ``memory_estimate``, or
+    the runtime + the weights as held + the host KV budget + the structured-output cache budget
+    and a compile worker (host memory on every device). Parked, the runtime alone."""
     gpu = model.gpu_share
     if model.memory_estimate is not None:
         awake = model.memory_estimate
     else:
         weights = _weight_bytes(Path(model.source or ""))
         kv = 0 if gpu else (model.kv_cache_memory or ENGINE_KV_DEFAULT)
-        awake = RUNTIME_BYTES + (weights if gpu else weights * _expansion(model)) + kv
+        held = weights if gpu else weights * _expansion(model)
+        structured = structured_cache_budget(model) + COMPILE_WORKER_ESTIMATE
+        awake = RUNTIME_BYTES + held + kv + structured
     return Footprint(awake, min(awake, RUNTIME_BYTES), gpu)
+
+
+def structured_cache_budget(model: ModelConfig) -> int:
+    """The engine's ``--structured-cache-memory`` as the model's ``engine_args`` set it (either
+    ``FLAG SIZE`` or ``FLAG=SIZE``), else its default; a size that does not parse (the engine
+    would refuse to start) counts as the default."""
+    args = model.engine_args
+    for i, arg in enumerate(args):
+        flag, equals, value = arg.partition("=")
+        if flag != STRUCTURED_CACHE_FLAG:
+            continue
+        if not equals:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        try:
+            return parse_size(value)
+        except ValueError:
+            break
+    return ENGINE_STRUCTURED_CACHE_DEFAULT
 
 
 def _expansion(model: ModelConfig) -> int:
@@ -79,17 +108,25 @@ def machine_ram_bytes() -> int:
 
 
 def measured_bytes(status: dict[str, object] | None, awake: bool) -> int | None:
-    """What an engine's /status answer says it takes: its resident memory (``memory.rss_bytes``)
-    plus, awake, the activation peak its steps add on top of the resting figure
-    (``memory.activation_bytes``, when reported); None when it reports no RSS."""
+    """What an engine's /status answer says it takes; None when it reports no RSS. Its resident
+    memory (``memory.rss_bytes``), and awake also what it can grow by: the activation peak its
+    steps add (``activation_bytes``) and what structured outputs may still add
+    (``structured_headroom_bytes``: the room left in its grammar cache, and its grammar-compile
+    workers, child processes outside its RSS, at their most). Parked, the engine drops that
+    cache and stops the workers. A field an engine does not report (an older one, an external
+    server) counts 0."""
     memory = status.get("memory") if isinstance(status, dict) else None
     if not isinstance(memory, dict):
         return None
-    rss, activations = memory.get("rss_bytes"), memory.get("activation_bytes")
-    if not _count(rss) or rss <= 0:
+    rss = _bytes(memory, "rss_bytes")
+    if not rss:
         return None
-    return rss + (activations if awake and _count(activations) else 0)
+    if not awake:
+        return rss
+    return rss + _bytes(memory, "activation_bytes") + _bytes(memory, "structured_headroom_bytes")
 
 
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _bytes(memory: dict[str, object], key: str) -> int:
+    """``memory[key]`` when it is a byte count (a non-negative int), else 0."""
+    value = memory.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -50,8 +50,10 @@ class ModelResidency:
     hold: HoldLine
     footprint: Footprint
     last_used: float = field(default_factory=time.monotonic)
-    loading: asyncio.Task[bool] | None = None
+    # its load under way: None once it serves, else the refusal its held requests got
+    loading: asyncio.Task[UpstreamFailure | None] | None = None
     reserved: bool = False  # its load has room: counted awake until it is (or failed)
+    unloads: int = 0  # operator unloads so far: a load that saw one did not fail
 
 
 class ResidencyManager:
@@ -181,6 +183,29 @@ class ResidencyManager:
             retry_after_s=30,
         )
 
+    def _unloaded(self, name: str) -> UpstreamFailure:
+        return refusal(
+            "model_unloaded",
+            f"Model '{name}' was unloaded by an operator while this request waited for it; a "
+            "new request loads it again.",
+        )
+
+    async def engine_crashed(self, backend: Backend) -> bool:
+        """Whether the engine process behind ``backend`` died, rather than being stopped by the
+        pool: the proxy asks after an attempt's connection dropped (quarantine.py). The drop
+        comes a moment before the exit shows, hence up to ``CRASH_NOTICE_S`` of looking."""
+        replicas = self.pool.replicas.get(backend.model, [])
+        replica = next((r for r in replicas if r.backend is backend), None)
+        if replica is None:
+            return False
+        proc = replica.proc  # this one: a restart after its backoff spawns another
+        deadline = time.monotonic() + CRASH_NOTICE_S
+        while not has_exited(proc):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return replica.state not in (S.STOPPING, S.STOPPED)
+
     # ---- loading ----
 
     def ensure_loaded(self, name: str) -> None:
@@ -189,29 +214,41 @@ class ResidencyManager:
         if res.loading is None or res.loading.done():
             res.loading = asyncio.create_task(self._load(name, lambda: len(res.hold) > 0))
 
-    async def load(self, name: str) -> bool:
+    async def load(self, name: str) -> None:
         """Loads ``name`` for an operator and waits (for room, up to its queue's max_wait_s);
-        True when it serves."""
+        raises the refusal held requests got when it does not serve."""
         res = self.models[name]
-        if res.loading is not None and not res.loading.done():
-            return await asyncio.shield(res.loading)
-        deadline = time.monotonic() + res.config.queue.max_wait_s
-        res.loading = asyncio.create_task(self._load(name, lambda: time.monotonic() < deadline))
-        return await asyncio.shield(res.loading)
+        if res.loading is None or res.loading.done():
+            deadline = time.monotonic() + res.config.queue.max_wait_s
+            res.loading = asyncio.create_task(self._load(name, lambda: time.monotonic() < deadline))
+        refused = await asyncio.shield(res.loading)
+        if refused is not None:
+            raise refused
 
-    async def _load(self, name: str, wanted: Callable[[], bool]) -> bool:
+    async def _load(self, name: str, wanted: Callable[[], bool]) -> UpstreamFailure | None:
         res = self.models[name]
+        unloads = res.unloads
         try:
-            if not await self._make_room(name, wanted):
-                return False
-            ok = await self.pool.activate(name)
+            room = await self._make_room(name, wanted)
+            ok = room and await self.pool.activate(name)
         finally:
             res.reserved = False
         if ok:
             res.last_used = time.monotonic()
-        elif not any(s in COMING for s in self.pool.states(name)):
+            return None
+        if res.unloads != unloads:
+            # An unload came first (the pool then starts nothing): nothing failed. It answered
+            # the requests it found held; those that came since are a new load's.
+            if len(res.hold):
+                asyncio.get_running_loop().call_soon(self._load_again, name)
+            return self._unloaded(name)
+        if room and not any(s in COMING for s in self.pool.states(name)):
             res.hold.refuse(lambda: self._failed(name))
-        return ok
+        return self._failed(name)
+
+    def _load_again(self, name: str) -> None:
+        if name in self.models:
+            self.ensure_loaded(name)
 
     async def _make_room(self, name: str, wanted: Callable[[], bool]) -> bool:
         """Evicts what the plan says until ``name`` fits, then reserves its awake footprint (so
@@ -299,7 +336,12 @@ class ResidencyManager:
         return await self.pool.park(name)
 
     async def unload(self, name: str) -> None:
+        """Stops ``name``. The requests held for it are answered 503 ``model_unloaded``, and a
+        load it interrupts is no failure (``_load``); a later request loads it again."""
         self.metrics.child(self.metrics.evictions, name, "stop", "operator").inc()
+        res = self.models[name]
+        res.unloads += 1
+        res.hold.refuse(lambda: self._unloaded(name))
         await self.pool.deactivate(name)
 
     # ---- idle TTL ----

@@ -4,9 +4,14 @@ It parks and wakes as the engine does (``POST /sleep``, ``POST /wake_up``, ``GET
 asleep, /ready and completions answer 503) and reports a memory footprint on ``GET /status``.
 
 Test-only flags (passed through ``engine_args`` in models.yaml): ``--ready-delay-s S``,
-``--fail-start`` (exit 3 at once, as an engine with a bad model would), ``--rss-bytes N`` and
-``--parked-rss-bytes N`` (what /status reports awake and asleep), ``--wake-delay-s S``,
-``--crash-after-s S`` (exit 1 that long after starting, as a crashing engine would).
+``--fail-start`` (exit 3 at once, as an engine with a bad model would), ``--first-start-only PATH``
+(the first start creates PATH; a start that finds it fails like ``--fail-start``), ``--rss-bytes
+N`` and ``--parked-rss-bytes N`` (what /status reports awake and asleep), ``--wake-delay-s S``,
+``--crash-after-ready-s S`` (exit 1 that long after its first /ready 200: a crash while serving).
+
+Per request, besides the mock upstream's ``mock`` keys: ``arrive_delay_ms`` waits before looking
+whether the engine sleeps (a request still on its way in when a sleep lands). ``GET /stats``
+counts the requests answered ``engine_sleeping`` (``asleep_answers``).
 """
 
 from __future__ import annotations
@@ -31,32 +36,48 @@ def main() -> None:
     parser.add_argument("--ready-delay-s", type=float, default=0.0)
     parser.add_argument("--wake-delay-s", type=float, default=0.05)
     parser.add_argument("--fail-start", action="store_true")
+    parser.add_argument("--first-start-only", type=Path, default=None)
     parser.add_argument("--rss-bytes", type=int, default=0)
     parser.add_argument("--parked-rss-bytes", type=int, default=0)
-    parser.add_argument("--crash-after-s", type=float, default=None)
+    parser.add_argument("--crash-after-ready-s", type=float, default=None)
     args, _engine_flags = parser.parse_known_args()
-    if args.fail_start or not Path(args.model).exists():
+    marker = args.first_start_only
+    if args.fail_start or not Path(args.model).exists() or (marker and marker.exists()):
         print("fake engine: cannot load the model", flush=True)
         sys.exit(3)
+    if marker:
+        marker.touch()
     mock = MockUpstream(args.served_model_name)
     ready_at = time.monotonic() + args.ready_delay_s
     sleeping = {"now": False, "parks": 0, "wakes": 0}
     base_ready = mock.ready
     base_completions = mock.completions
 
+    mock.stats["asleep_answers"] = 0
+
     def asleep() -> web.Response:
+        mock.stats["asleep_answers"] += 1
         error = {"message": "asleep", "type": "server_error", "param": None,
                  "code": "engine_sleeping"}  # fmt: skip
         return web.json_response({"error": error}, status=503, headers={"Retry-After": "1"})
+
+    def crash_soon() -> None:
+        if args.crash_after_ready_s is not None:
+            asyncio.get_running_loop().call_later(args.crash_after_ready_s, lambda: os._exit(1))
+            args.crash_after_ready_s = None  # once
 
     async def ready(request: web.Request) -> web.Response:
         if time.monotonic() < ready_at:
             return web.json_response({"status": "loading"}, status=503)
         if sleeping["now"]:
             return web.json_response({"status": "sleeping"}, status=503)
+        crash_soon()
         return await base_ready(request)
 
     async def completions(request: web.Request) -> web.StreamResponse:
+        arrive_delay_ms = ((await request.json()).get("mock") or {}).get("arrive_delay_ms")
+        if arrive_delay_ms:
+            await asyncio.sleep(arrive_delay_ms / 1000)
         if sleeping["now"]:
             return asleep()
         return await base_completions(request)
@@ -88,13 +109,6 @@ def main() -> None:
         "/is_sleeping", lambda _: web.json_response({"is_sleeping": sleeping["now"]})
     )
     app.router.add_get("/status", status)
-    if args.crash_after_s is not None:
-
-        async def crash_later(app: web.Application) -> None:
-            loop = asyncio.get_running_loop()
-            loop.call_later(args.crash_after_s, lambda: os._exit(1))
-
-        app.on_startup.append(crash_later)
     mock.app = lambda: app  # type: ignore[method-assign]
     serve(mock, args.host, args.port)
 

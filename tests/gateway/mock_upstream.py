@@ -10,7 +10,9 @@ Behaviour is chosen per request by a ``mock`` object in the request body, or for
 - ``fail``: ``429`` / ``500`` / ``503`` (answer that status with an OpenAI error and the headers
   in ``fail_headers``), ``"hang"`` (never answer),
   ``"die"`` (close the connection without answering), ``"die_mid_stream"`` (send two chunks, then
-  close the connection), ``"no_done"`` (end the stream cleanly without ``data: [DONE]``).
+  close the connection), ``"no_done"`` (end the stream cleanly without ``data: [DONE]``),
+  ``"crash"`` / ``"crash_mid_stream"`` (the same, but the whole process exits at once: an engine
+  that a request kills).
 - ``delay_ms``: wait before the response headers; ``chunk_delay_ms``: wait between stream chunks.
 - ``tokens``: completion tokens to produce (default 5).
 - ``ready``: ``false`` makes /ready and /health answer 503.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 
 from aiohttp import web
@@ -113,6 +116,8 @@ class MockUpstream:
         if fail == "die":
             request.transport.abort()
             await asyncio.sleep(3600)
+        if fail == "crash":
+            os._exit(1)
         prompt_tokens = _count_prompt_words(body)
         if body.get("stream"):
             return await self._stream(request, body, mock, chat, model, tokens, prompt_tokens)
@@ -144,6 +149,8 @@ class MockUpstream:
                 if mock.get("fail") == "die_mid_stream" and i == 2:
                     request.transport.abort()
                     return response
+                if mock.get("fail") == "crash_mid_stream" and i == 2:
+                    os._exit(1)
                 await response.write(_sse(_chunk(chat, model, "tok ", None, include_usage)))
                 if delay:
                     await asyncio.sleep(delay)

@@ -1,7 +1,10 @@
 """Residency with fake engine processes: on-demand loading, park after the idle TTL and wake,
 budgeted eviction by least recent use (never a busy model), requests held while a model loads
 (bounded in count and time, left at once by a client that disconnects), a crashing replica's
-requests held until it is back, and a model that cannot start ending FAILED with its log."""
+requests held until it is back, and a model that cannot start ending FAILED with its log (crashes
+while serving never fail it). Under admin storms: a request that meets its replica asleep is held
+while it wakes, a park after a wake waits for the requests in flight, and an unload that
+interrupts a load answers its held requests model_unloaded, not model_failed."""
 
 from __future__ import annotations
 
@@ -219,14 +222,36 @@ async def test_a_model_that_cannot_start_is_failed_with_its_log(pooled, tmp_path
         assert gateway.pool.replicas["bad"] != [spawned]
 
 
-async def test_a_replica_that_keeps_crashing_ends_failed(pooled, tmp_path, monkeypatch):
+async def test_crashes_while_serving_restart_it_with_backoff_but_never_fail_it(
+    pooled, tmp_path, monkeypatch
+):
+    """A request may be what crashes an engine: crashes after READY, however many, only restart
+    it (with backoff), never fail the model for everyone."""
     monkeypatch.setattr(pool_module, "MAX_CRASHES", 2)
     monkeypatch.setattr(pool_module, "BACKOFF_BASE_S", 0.05)
-    doc = fleet(tmp_path, [{"name": "m", "engine_args": ["--crash-after-s", "0.3"]}])
-    gateway, url, _ = await pooled(doc)
-    await wait_for(lambda: states(gateway, "m") == [S.FAILED], timeout=15)
+    doc = fleet(tmp_path, [{"name": "m", "engine_args": ["--crash-after-ready-s", "0.2"]}])
+    gateway, _, _ = await pooled(doc)
+    await wait_for(lambda: states(gateway, "m") == [S.READY], timeout=15)
     replica = gateway.pool.replicas["m"][0]
-    assert replica.restarts == 1 and replica.proc.returncode is not None  # 2 crashes
+
+    def serving_after_many_crashes() -> bool:
+        assert replica.state is not S.FAILED, list(replica.log_tail)
+        return replica.restarts > 2 and replica.state is S.READY
+
+    await wait_for(serving_after_many_crashes, timeout=30)
+
+
+async def test_restarts_that_never_get_ready_end_failed(pooled, tmp_path, monkeypatch):
+    monkeypatch.setattr(pool_module, "MAX_CRASHES", 2)
+    monkeypatch.setattr(pool_module, "BACKOFF_BASE_S", 0.05)
+    marker = tmp_path / "started"
+    doc = fleet(tmp_path, [{"name": "m", "engine_args": ["--first-start-only", str(marker)]}])
+    gateway, url, _ = await pooled(doc)
+    await wait_for(lambda: states(gateway, "m") == [S.READY], timeout=15)
+    replica = gateway.pool.replicas["m"][0]
+    os.kill(replica.proc.pid, signal.SIGKILL)  # a crash while serving: restarted, but...
+    await wait_for(lambda: states(gateway, "m") == [S.FAILED], timeout=15)
+    assert replica.restarts == 2  # ...every restart dies before READY: 2 in a row
     async with aiohttp.ClientSession() as session:
         status, answer, _ = await request(session, url, "m")
         assert status == 503 and answer["body"]["error"]["code"] == "model_failed"
@@ -303,3 +328,79 @@ async def test_a_wake_counts_the_whole_awake_footprint(pooled, tmp_path):
         assert (await request(session, url, "a"))[0] == 200
         assert states(gateway, "b") == [S.PARKED] and states(gateway, "a") == [S.READY]
         assert within_budget(gateway)
+
+
+async def admin(session, url: str, action: str, model: str = "od") -> int:
+    async with session.post(url + f"/admin/models/{model}/{action}") as resp:
+        return resp.status
+
+
+async def test_a_request_that_meets_its_replica_asleep_is_held_while_it_wakes(pooled, tmp_path):
+    """Routed to a ready replica that was then parked (the park's drain gave up waiting), the
+    request meets the engine's 503 engine_sleeping: it is held and the model woken, without a
+    retry (there is none to spend here)."""
+    doc = fleet(tmp_path, [on_demand("od", idle_ttl_s=600)])
+    doc["gateway"]["retries"] = {"attempts": 1}
+    gateway, url, _ = await pooled(doc)
+    async with aiohttp.ClientSession() as session:
+        assert (await request(session, url, "od"))[0] == 200
+        gateway.pool.drain_timeout_s = 0.05
+        backend = gateway.router.resolve("od").backends[0]
+        late = asyncio.create_task(request(session, url, "od", arrive_delay_ms=800))
+        await wait_for(lambda: backend.outstanding == 1, timeout=5)
+        assert await admin(session, url, "park") == 200
+        engine = gateway.pool.replicas["od"][0].url
+        status, answer, _ = await late
+        assert status == 200, answer["body"]
+        assert states(gateway, "od") == [S.READY]
+        stats = await (await session.get(engine + "/stats")).json()
+        assert stats["asleep_answers"] == 1  # it did meet the sleeping engine
+    assert sample(gateway, "modelyard_model_load_seconds_count", model="od", kind="wake") == 1
+
+
+async def test_a_park_after_a_wake_waits_for_the_requests_in_flight(pooled, tmp_path):
+    gateway, url, _ = await pooled(fleet(tmp_path, [on_demand("od", idle_ttl_s=600)]))
+    async with aiohttp.ClientSession() as session:
+        for action in ("load", "park", "load"):  # woken: its URL is a new backend in the router
+            assert await admin(session, url, action) == 200
+        backend = gateway.router.resolve("od").backends[0]
+        late = asyncio.create_task(request(session, url, "od", arrive_delay_ms=500))
+        await wait_for(lambda: backend.outstanding == 1, timeout=5)
+        assert await admin(session, url, "park") == 200
+        assert (await late)[0] == 200 and states(gateway, "od") == [S.PARKED]
+        engine = gateway.pool.replicas["od"][0].url
+        stats = await (await session.get(engine + "/stats")).json()
+        assert stats["asleep_answers"] == 0  # the park waited for it
+
+
+@pytest.mark.parametrize("request_meanwhile", [False, True])
+async def test_an_unload_that_interrupts_a_load_is_no_failure(pooled, tmp_path, request_meanwhile):
+    """An unload queued behind another one while a request's load waits for both: the held request
+    is told the model was unloaded (not that it failed), and the model ends stopped; a request
+    that comes during the unloads (or after them) loads it again."""
+    gateway, url, _ = await pooled(fleet(tmp_path, [on_demand("od", idle_ttl_s=600)]))
+    async with aiohttp.ClientSession() as session:
+        assert (await request(session, url, "od"))[0] == 200
+        busy = asyncio.create_task(request(session, url, "od", delay_ms=1500))
+        await wait_for(lambda: gateway.router.resolve("od").inflight == 1, timeout=5)
+        first_unload = asyncio.create_task(admin(session, url, "unload"))  # drains `busy`
+        await wait_for(lambda: states(gateway, "od") == [S.DRAINING], timeout=5)
+        held = asyncio.create_task(request(session, url, "od"))
+        await wait_for(lambda: "od" in gateway.pool.active, timeout=5)  # its load has begun
+        second_unload = asyncio.create_task(admin(session, url, "unload"))
+        status, answer, _ = await held
+        assert status == 503 and answer["body"]["error"]["code"] == "model_unloaded"
+        assert answer["headers"]["Retry-After"] == "5"
+        meanwhile = asyncio.create_task(request(session, url, "od")) if request_meanwhile else None
+        assert await first_unload == 200 and await second_unload == 200
+        assert (await busy)[0] == 200
+        if meanwhile is None:
+            assert gateway.residency.model_state("od") == "stopped"
+            meanwhile = asyncio.create_task(request(session, url, "od"))
+        assert (await meanwhile)[0] == 200
+        assert states(gateway, "od") == [S.READY]
+    refused = {
+        reason: sample(gateway, "modelyard_hold_queue_refused_total", model="od", reason=reason)
+        for reason in ("model_unloaded", "model_failed")
+    }
+    assert refused == {"model_unloaded": 1, "model_failed": 0}

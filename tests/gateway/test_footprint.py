@@ -1,0 +1,86 @@
+"""One replica's footprint (gateway/residency/footprint.py): what an engine's /status says it takes
+awake (its RSS, plus what it can grow by: activations, and the structured-output headroom the
+engine reckons, grammar cache room and compile workers) and parked (its RSS), with the fields
+older engines lack counted 0; and the estimate before the first measurement, structured outputs'
+memory included."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import parse_config
+from gateway.residency.footprint import (
+    COMPILE_WORKER_ESTIMATE,
+    ENGINE_KV_DEFAULT,
+    ENGINE_STRUCTURED_CACHE_DEFAULT,
+    RUNTIME_BYTES,
+    estimate,
+    measured_bytes,
+)
+
+MiB = 2**20
+AWAKE = {
+    "rss_bytes": 1000 * MiB,
+    "activation_bytes": 50 * MiB,
+    "structured_cache_bytes": 100 * MiB,  # inside rss_bytes: told, not added
+    "structured_cache_budget_bytes": 256 * MiB,
+    "compile_workers_rss_bytes": 80 * MiB,  # inside the headroom
+    "structured_headroom_bytes": 284 * MiB,
+}
+
+
+def test_awake_counts_rss_activations_and_the_structured_headroom():
+    assert measured_bytes({"memory": AWAKE}, awake=True) == (1000 + 50 + 284) * MiB
+
+
+def test_parked_counts_the_rss_alone():
+    assert measured_bytes({"memory": AWAKE}, awake=False) == 1000 * MiB
+
+
+@pytest.mark.parametrize(
+    ("missing", "expected_mib"),
+    [("structured_headroom_bytes", 1000 + 50), ("activation_bytes", 1000 + 284)],
+)
+def test_a_field_an_older_engine_lacks_counts_zero(missing, expected_mib):
+    memory = {k: v for k, v in AWAKE.items() if k != missing}
+    assert measured_bytes({"memory": memory}, awake=True) == expected_mib * MiB
+
+
+@pytest.mark.parametrize("bad", [None, "1", True, -5, 1.5])
+def test_a_field_that_is_no_byte_count_counts_zero(bad):
+    memory = {**AWAKE, "structured_headroom_bytes": bad}
+    assert measured_bytes({"memory": memory}, awake=True) == (1000 + 50) * MiB
+
+
+@pytest.mark.parametrize("status", [None, {}, {"memory": {}}, {"memory": {"rss_bytes": 0}}])
+def test_no_rss_no_measurement(status):
+    assert measured_bytes(status, awake=True) is None
+
+
+def local_model(tmp_path, **keys):
+    source = tmp_path / "tiny.gguf"
+    source.write_bytes(b"x" * 1000)
+    config = parse_config({"models": [{"name": "m", "source": str(source), **keys}]})
+    return config.models[0]
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "cache"),
+    [
+        ([], ENGINE_STRUCTURED_CACHE_DEFAULT),
+        (["--structured-cache-memory", "64MiB"], 64 * MiB),
+        (["--num-threads", "2", "--structured-cache-memory=1GiB"], 2**30),
+        (["--structured-cache-memory", "lots"], ENGINE_STRUCTURED_CACHE_DEFAULT),
+    ],
+)
+def test_the_estimate_counts_the_structured_cache_budget(tmp_path, engine_args, cache):
+    model = local_model(tmp_path, device="cpu", engine_args=engine_args)
+    footprint = estimate(model)
+    structured = cache + COMPILE_WORKER_ESTIMATE
+    assert footprint.awake_bytes == RUNTIME_BYTES + 13 * 1000 + ENGINE_KV_DEFAULT + structured
+    assert footprint.parked_bytes == RUNTIME_BYTES and not footprint.measured
+
+
+def test_a_memory_estimate_is_taken_as_it_is(tmp_path):
+    model = local_model(tmp_path, memory_estimate="3GiB")
+    assert estimate(model).awake_bytes == 3 * 2**30
