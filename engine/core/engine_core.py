@@ -306,7 +306,7 @@ class EngineCore:
         matcher = seq.matcher
         assert isinstance(matcher, GrammarMatcher)
         tokens = seq.num_output_tokens
-        if matcher.gave_up:
+        if matcher.failure_kind == "too_complex":
             first = matcher.error.strip().splitlines()[0][:300] if matcher.error else ""
             message = (
                 f"the constraint is too complex for the grammar library after {tokens} tokens "

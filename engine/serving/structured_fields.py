@@ -132,6 +132,8 @@ def _constraint(kind: str, value: Any, path: str) -> StructuredOutput:
                 value = json.loads(value)
             except json.JSONDecodeError as error:
                 raise bad_field(path, f"is not valid JSON: {error}") from None
+            except RecursionError:  # the body's nesting limit does not reach inside strings
+                raise bad_field(path, "is nested too deeply") from None
         if not isinstance(value, dict):
             raise bad_field(path, "must be a JSON Schema object (or its JSON text)")
         return StructuredOutput(kind, _schema_text(value))

@@ -84,17 +84,22 @@ def library_error(constraint: Constraint, message: str, schema: Any) -> InvalidR
 
 
 # llguidance's stop reasons when it gives up on a grammar's size (its limits on lexer states,
-# Earley items and fuel). After a failed token it reports InternalError instead, and its state
-# dump names some stop reason whatever happened: the error's first line tells a refused token
-# from a give-up.
+# Earley items and fuel), and when the grammar can go no further. After a failed token it reports
+# InternalError instead, and its state dump names some stop reason whatever happened: the error's
+# first line tells a refused token or a dead end from a give-up.
 TOO_COMPLEX_STOPS = ("ParserTooComplex", "LexerTooComplex")
+DEAD_END_STOPS = ("NoExtension", "NoExtensionBias")
 _TOKEN_REFUSED = "doesn't satisfy the grammar"
 
 
-def gave_up(matcher: llguidance.LLMatcher) -> bool:
-    """Whether a matcher in error gave up on the grammar's size (its limits), rather than the
-    grammar ruling the token out."""
-    if matcher.stop_reason() in TOO_COMPLEX_STOPS:
-        return True
+def failure_kind(matcher: llguidance.LLMatcher) -> str:
+    """Why a matcher is in error: "too_complex" (the library gave up on the grammar's size),
+    "dead_end" (the grammar allows nothing more) or "refused" (it ruled the token out)."""
+    reason = matcher.stop_reason()
+    if reason in TOO_COMPLEX_STOPS:
+        return "too_complex"
     lines = matcher.get_error().strip().splitlines()
-    return bool(lines) and _TOKEN_REFUSED not in lines[0]
+    first = lines[0] if lines else ""
+    if reason in DEAD_END_STOPS or first in DEAD_END_STOPS or not first:
+        return "dead_end"
+    return "refused" if _TOKEN_REFUSED in first else "too_complex"

@@ -7,7 +7,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from engine.structured.grammars import gave_up
+from engine.structured.grammars import failure_kind
 
 
 class GrammarMatcher:
@@ -27,17 +27,18 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
     @property
-    def gave_up(self) -> bool:
-        """In error because the library gave up on the grammar's size (engine.structured)."""
-        return gave_up(self._matcher)
+    def failure_kind(self) -> str:
+        """Why it is in error (engine.structured.grammars.failure_kind)."""
+        return failure_kind(self._matcher)
 
     def accept(self, token_id: int) -> bool:
         """Advance by `token_id`; False (the matcher then stays in error) if the grammar forbids
-        it."""
+        it, or if it leads where the grammar can go no further without being complete (a dead
+        end: `{"a": {"$ref": "#/properties/a"}}` stops after `{"a": `)."""
         ok = self._matcher.consume_token(token_id)
         if ok:
             self.num_tokens += 1
-        return ok
+        return ok and not (self._matcher.is_stopped() and not self._matcher.is_accepting())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)

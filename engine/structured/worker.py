@@ -30,7 +30,7 @@ import numpy as np
 
 from engine.errors import InvalidRequestError
 from engine.structured.grammars import (
-    gave_up,
+    failure_kind,
     grammar_for,
     library_error,
     load_constraint_schema,
@@ -132,12 +132,17 @@ class Compiler:
             if not matcher.consume_token(int(allowed[pick.randrange(allowed.size)])):
                 raise self._failure(job, matcher, schema, step)
             if matcher.is_stopped():
+                if not matcher.is_accepting():  # no further token, and not complete
+                    raise dead_end(job.kind, step + 1)
                 return
 
     def _failure(
         self, job: Job, matcher: llguidance.LLMatcher, schema: Any, step: int
     ) -> InvalidRequestError:
-        if gave_up(matcher):
+        kind = failure_kind(matcher)
+        if kind == "dead_end":
+            return dead_end(job.kind, step)
+        if kind == "too_complex":
             first = matcher.get_error().strip().splitlines()[0][:300]
             return InvalidRequestError(
                 f"the {job.kind} constraint is too complex for the grammar library after "

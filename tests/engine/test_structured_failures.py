@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.structured.grammars import gave_up
+from engine.structured.grammars import failure_kind
 from engine.structured.matcher import BitmaskFiller
 from tests.engine.json_requests import COMPLETIONS, openai_error, post
 from tests.engine.server_http import scrape, stream
@@ -78,7 +78,7 @@ async def test_without_dead_ends_the_constraint_holds(server) -> None:
     assert status == 200 and payload["choices"][0]["text"] in ("zzzz", "zzzy")
 
 
-def test_a_matcher_over_the_library_limits_gave_up(tokenizer) -> None:
+def test_a_give_up_is_told_from_a_refused_token(tokenizer) -> None:
     """How a give-up is told from a grammar ruling the token out (the 400's code)."""
     ll_tokenizer = llguidance.LLTokenizer(
         tokenizer.backend_tokenizer.to_str(), n_vocab=len(tokenizer)
@@ -89,6 +89,6 @@ def test_a_matcher_over_the_library_limits_gave_up(tokenizer) -> None:
     tight = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0, limits=limits)
     refused = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
     token = tokenizer.encode("w", add_special_tokens=False)[0]
-    assert not tight.consume_token(token) and gave_up(tight)
+    assert not tight.consume_token(token) and failure_kind(tight) == "too_complex"
     other = tokenizer.encode("q", add_special_tokens=False)[0]
-    assert not refused.consume_token(other) and not gave_up(refused)
+    assert not refused.consume_token(other) and failure_kind(refused) == "refused"

@@ -126,6 +126,9 @@ def test_constraints(parse, fields, expected) -> None:
         ),
         ({"guided_choice": "a"}, "guided_choice"),
         ({"guided_json": [1]}, "guided_json"),
+        # JSON text nested past Python's recursion limit (the body's own nesting cap stops at
+        # the string): once a 500
+        ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),
         # two constraints at once
         (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},

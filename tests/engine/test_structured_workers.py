@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+import llguidance
 import pytest
 
 from engine.core.sampling_params import StructuredOutput
@@ -19,8 +20,11 @@ from engine.errors import InvalidRequestError, ServiceUnavailableError
 from engine.serving.tools.constraint import forced_call_constraint
 from engine.serving.tools.request import parse_tool_request
 from engine.structured import workers
+from engine.structured.bitmask import allocate_bitmask
 from engine.structured.compiler import CompileSettings, GrammarCompiler
+from engine.structured.grammars import JSON_OPTIONS
 from engine.structured.limits import ConstraintLimits, check_constraint
+from engine.structured.matcher import GrammarMatcher
 from engine.structured.workers import WorkerState
 from tests.engine.pathological import (
     lark_chain,
@@ -200,6 +204,36 @@ def test_the_probe_refuses_what_the_library_gives_up_on(make) -> None:
     wide = {"type": "object", "properties": {f"key{i}": {"type": "integer"} for i in range(600)}}
     error = compile_error(compiler, schema(wide))
     assert error.code == "grammar_too_complex" and "after 0 tokens" in error.message
+
+
+def test_the_probe_refuses_a_grammar_that_dead_ends(make) -> None:
+    """`a` is itself all the way down: after `{"a": ` nothing can follow, and nothing is complete
+    (it once answered 200 "stop" with that much)."""
+    endless = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+    error = compile_error(make(), schema(endless))
+    assert error.code == "grammar_dead_end" and "allows no token" in error.message
+
+
+def test_a_matcher_at_a_dead_end_refuses_even_the_end_token(tokenizer) -> None:
+    """What the core sees at run time, should the probe's walk not have gone there: llguidance
+    allows only the end token there, which once finished such a request "stop" with `{"a": `;
+    taking it must not count as complete (the core then ends the request with
+    grammar_dead_end)."""
+    eos = tokenizer.eos_token_id
+    ll_tokenizer = llguidance.LLTokenizer(
+        tokenizer.backend_tokenizer.to_str(), n_vocab=len(tokenizer), eos_token=[eos]
+    )
+    endless = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(endless), defaults=JSON_OPTIONS
+    )
+    matcher = GrammarMatcher(llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0))
+    assert all(matcher.accept(t) for t in tokenizer.encode('{"a": ', add_special_tokens=False))
+    mask = allocate_bitmask(1, len(tokenizer))
+    matcher.fill(mask, 0)
+    assert mask.nonzero().tolist() == [[0, eos // 32]] and int(mask[0, eos // 32]) == 1 << eos
+    assert not matcher.accept(eos)
+    assert matcher.failure_kind == "dead_end"
 
 
 def test_the_worker_does_not_import_torch() -> None:
