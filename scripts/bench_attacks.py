@@ -10,11 +10,19 @@ gzip'd 256 MiB of spaces, to the gateway and the engine; (2) ``n=10000`` on /v1/
 the client giving up after 10 s; (3) rounds of engine-500 bodies (``"role": ["user"]``) that
 may eject the only backend; (4) a 4 MB prompt (chat and completion, gateway and engine);
 (5) slow clients (header and body at 1 byte / 2 s, an idle keep-alive connection) and
-``--connections`` silent connections; (6) small poison bodies; all from 127.0.0.3. Meanwhile a
+``--connections`` silent connections; (6) small poison bodies; then issue 29's (ids ``h``,
+scripts/attacks/suite.py lists them): constraints that crash the grammar compiler (h1a-c),
+compile for minutes (h2 patternProperties, h3 anyOf, with every 200 checked against its
+constraint) or fill the compile cache (h4), floods of empty messages (h5), park/load loops and an
+unload during a load of an on-demand model beside traffic (h6a-b); all from 127.0.0.3. Meanwhile a
 victim (its own thread, from 127.0.0.2, a fresh connection per request) sends small chat
 requests and polls both ``/health`` endpoints, and /proc/PID/status VmRSS of both processes is
-sampled every 50 ms. Per attack: the attack's answer, the victim's requests during and right
-after it, the max /health latency (during and right after) and the peak RSS.
+sampled every 50 ms (the engine's with its descendants). Per attack: the attack's answer, the
+victim's requests during and right after it (success, p50, p99, max), the max /health latency
+(during and right after), the peak RSS, and whether the engine is alive at the end, the same
+process, how often the gateway restarted it and the model's state (/admin/models, with the admin
+key the fleet sets). Before each attack the model is made ready again (a load after a crash loop,
+an unload and load when a tiny schema no longer compiles).
 
 ``--compare BASELINE`` runs BASELINE first, then ``--repo``, and adds ``side_by_side``: each
 figure for both, with baseline/current ratios for times and sizes (``_ms``, ``_s``, ``_mb``).
@@ -25,6 +33,8 @@ This file is the command line; the fleet, the victim and the attacks are in scri
     .venv/bin/python scripts/bench_attacks.py --compare /tmp/modelyard-baseline \\
         --out bench-results/attacks.json
     .venv/bin/python scripts/bench_attacks.py --only 1a,5a --slow-cap-s 20
+    .venv/bin/python scripts/bench_attacks.py --only h --repo /tmp/modelyard-baseline \\
+        --out bench-results/attacks-29-baseline.json
 """
 
 from __future__ import annotations
@@ -61,6 +71,12 @@ def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
     add("--give-up-s", type=float, default=10.0, help="attack 2's client timeout")
     add("--rounds", type=int, default=3, help="attack 3's rounds")
     add("--bodies-per-round", type=int, default=5)
+    add("--crash-sends", type=int, default=3, help="h1: sends of each crashing constraint")
+    add("--crash-timeout-s", type=float, default=45.0, help="h1: client timeout of each send")
+    add("--compile-give-up-s", type=float, default=5.0, help="h2: client timeout")
+    add("--anyof-variants", type=int, default=4, help="h3: distinct 5,000-branch anyOfs")
+    add("--flood-s", type=float, default=30.0, help="h5: how long the two senders send")
+    add("--residency-s", type=float, default=40.0, help="h6a: how long park/load loops run")
     add("--after-s", type=float, default=3.0, help="victim window right after each attack")
     add("--victim-concurrency", type=int, default=3)
     add("--ready-timeout", type=float, default=300.0, help="gateway + engine start-up bound")

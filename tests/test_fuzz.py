@@ -11,6 +11,10 @@ Each must give 0 5xx (502-504 only for ``down``), 0 non-JSON error bodies, 0 han
 without an answer (except where tests/fuzz/verdicts.py allows them) and bounded RSS growth. A
 failure lists the findings grouped by cause, each with the seed and index that rebuild its case:
 ``make_case(gateway_profile(...) or engine_profile(), seed, index)``.
+
+The structured fuzz (tests/fuzz/structured_runner.py): its cases' reproducibility, the output
+validator on known outputs, and a short run of constraints up to the sizes issue 29 found
+crashing or stalling the engine, against the tiny model.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from engine.model.park.host_memory import trim_heap
 from gateway.app import Gateway, create_app
 from gateway.config import load_config
 from gateway.server import GatewayRunner
+from tests.fuzz.constraints import Constraint, anyof_objects, counted_regex, ref_chain_tools
 from tests.fuzz.logs import LogCapture
+from tests.fuzz.output_check import Output, check
 from tests.fuzz.profile import engine_profile, gateway_profile
 from tests.fuzz.report import Report
 from tests.fuzz.runner import Runner, Settings
@@ -42,6 +48,8 @@ from tests.fuzz.servers import (
     engine_command,
     gateway_document,
 )
+from tests.fuzz.structured_cases import GENERATORS, make_structured_case
+from tests.fuzz.structured_runner import StructuredRunner, StructuredSettings
 from tests.gateway.conftest import MockUpstream
 
 pytestmark = pytest.mark.timeout(300)
@@ -149,3 +157,77 @@ async def test_engine_survives_fuzzing(tiny_llama_dir: Path, tmp_path: Path) -> 
     finally:
         server.stop()
     assert_clean(report, ENGINE_RSS_GROWTH)
+
+
+STRUCTURED_CASES = 300
+# Up to the fourth rung: the sizes issue 29 found crashing or stalling the engine (ref chains of
+# 2,000 to 2,500, Lark chains of 3,000, 300 patternProperties, 300x300 counted repetitions).
+STRUCTURED_RUNG = 3
+
+
+def test_structured_cases_rebuild_alone() -> None:
+    """Every case is a pure function of (seed, index): a finding's numbers rebuild it; the mix
+    reaches every generator, and max_rung caps the sizes."""
+    small = [make_structured_case(SEED, i, "m", max_rung=0) for i in range(400)]
+    assert [c.http.wire() for c in small[:50]] == [
+        make_structured_case(SEED, i, "m", max_rung=0).http.wire() for i in range(50)
+    ]
+    assert {c.generator for c in small} == {maker.__name__ for maker, _ in GENERATORS}
+    assert max(len(c.http.body) for c in small) < 20_000
+    full = [make_structured_case(SEED, i, "m") for i in range(400)]
+    assert max(len(c.http.body) for c in full) > 100_000  # the pathological rungs are drawn
+
+
+@pytest.mark.parametrize(
+    ("constraint", "output", "verdict"),
+    [
+        (Constraint("json_schema", {"type": "boolean"}), Output("true", None, "stop"), "valid"),
+        (Constraint("json_schema", {"type": "boolean"}), Output("1", None, "stop"), "broken"),
+        (Constraint("json_schema", anyof_objects(3)), Output('{"', None, "abort"), "broken"),
+        (Constraint("json_schema", anyof_objects(3)), Output('{"', None, "length"), "incomplete"),
+        (Constraint("regex", counted_regex(3, 3), True), Output("ab", None, "abort"), "broken"),
+        (
+            Constraint("regex", counted_regex(3, 3), True),
+            Output("abbba", None, "length"),
+            "incomplete",
+        ),
+        (Constraint("regex", counted_regex(3, 3), True), Output("abba", None, "length"), "broken"),
+        (Constraint("regex", "[0-9]+", False), Output("x", None, "stop"), "unchecked"),
+        (Constraint("choice", ["yes", "no"]), Output("yes", None, "stop"), "valid"),
+        (Constraint("choice", ["yes", "no"]), Output("ye", None, "stop"), "broken"),
+        (Constraint("json_object"), Output("[1]", None, "stop"), "broken"),
+        (Constraint("grammar", 'start: "a"'), Output("b", None, "stop"), "unchecked"),
+        (
+            Constraint("tools", ref_chain_tools(2)),
+            Output(None, [{"function": {"name": "f", "arguments": '{"a": 5}'}}], "tool_calls"),
+            "broken",
+        ),
+        (
+            Constraint("tools", ref_chain_tools(2)),
+            Output(None, [{"function": {"name": "f", "arguments": '{"a": "x"}'}}], "tool_calls"),
+            "valid",
+        ),
+        (Constraint("tools", ref_chain_tools(2)), Output("[]", None, "stop"), "broken"),
+    ],
+)
+def test_output_check(constraint: Constraint, output: Output, verdict: str) -> None:
+    assert check(constraint, output)[0] == verdict
+
+
+async def test_engine_survives_structured_fuzzing(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Constraints of every generator, up to pathological sizes, against a real engine while a
+    victim sends plain requests: no crash, no 5xx or hang, no 200 that breaks its constraint.
+    (scripts/fuzz.py --structured runs thousands, the largest sizes too, on SmolLM2.)"""
+    server = ProcessServer("engine", engine_command(tiny_llama_dir, "tiny", ENGINE_FLAGS), tmp_path)
+    server.start()
+    try:
+        settings = StructuredSettings(
+            timeout_s=15.0, max_wall_s=60.0, max_rung=STRUCTURED_RUNG, max_restarts=2,
+            victim_p99_ms=5000.0,  # a shared 2-core machine: the tight bound is the script's
+        )  # fmt: skip
+        report = await StructuredRunner(server, "tiny", settings).run(SEED, STRUCTURED_CASES)
+    finally:
+        server.stop()
+    print(report.summary())
+    assert report.verdicts["200 valid"] > 0, report.summary()  # outputs were judged
+    assert not report.problems(), report.summary(examples=40)

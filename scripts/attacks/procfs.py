@@ -1,11 +1,13 @@
 """What /proc says about the processes under attack: liveness, command lines, children (to find
-the gateway's engine), VmRSS, open files and their limit; and this process's own file limit."""
+the gateway's engine), VmRSS (of one process or with its descendants: an engine may run
+workers), CPU time, open files and their limit; and this process's own file limit."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import resource
+import time
 from pathlib import Path
 
 
@@ -41,6 +43,22 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Children, grandchildren ... of ``pid`` (one /proc scan; bounded by the process count)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(parents.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += parents.get(child, [])
+    return found
+
+
 def find_engine_pid(gateway_pid: int, port: int) -> int | None:
     """The engine listening on ``port``: a descendant of the gateway (its launcher execs it)."""
     todo = children(gateway_pid)
@@ -60,6 +78,36 @@ def vm_rss_kb(pid: int) -> int | None:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
+    return None
+
+
+class TreeRss:
+    """VmRSS of a process with all its descendants (pages they share count once per process),
+    sampled often: the /proc scan that finds the descendants (ms) runs at most every RESCAN_S,
+    their VmRSS at every call."""
+
+    RESCAN_S = 0.5
+
+    def __init__(self) -> None:
+        self._pid: int | None = None
+        self._children: list[int] = []
+        self._scanned = 0.0
+
+    def kb(self, pid: int) -> int | None:
+        own = vm_rss_kb(pid)
+        if own is None:
+            return None
+        if pid != self._pid or time.monotonic() - self._scanned > self.RESCAN_S:
+            self._pid, self._children, self._scanned = pid, descendants(pid), time.monotonic()
+        return own + sum(vm_rss_kb(child) or 0 for child in self._children)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of ``pid`` so far (its threads included, reaped children too)."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+        return ticks / os.sysconf("SC_CLK_TCK")
     return None
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
 import tempfile
@@ -16,16 +15,25 @@ from typing import Any
 
 from scripts.attacks.bodies import big_prompt, encoded_body, small_bodies
 from scripts.attacks.choices import many_choices
+from scripts.attacks.compile_time import anyof_stall, pattern_properties_stall
 from scripts.attacks.connections import half_open
 from scripts.attacks.context import ATTACK_CAP_S, Ctx
 from scripts.attacks.ejection import ejection
-from scripts.attacks.fleet import Fleet, checkout_state
+from scripts.attacks.empty_messages import empty_messages
+from scripts.attacks.engine_watch import EngineWatch
+from scripts.attacks.fleet import MODEL, Fleet, checkout_state
+from scripts.attacks.grammar_cache import regex_cache
+from scripts.attacks.grammar_crash import grammar_crash
 from scripts.attacks.raw_http import CHAT, COMPLETIONS, VICTIM_ADDRESS, http_request
+from scripts.attacks.residency import park_load_loop, unload_during_load
 from scripts.attacks.rss import RssSampler
 from scripts.attacks.slow import slow_clients
 from scripts.attacks.victim import Victim, finished, overlapping, probe_stats
+from tests.fuzz.structured_cases import tiny_schema_request
 
-SETTLE_CAP_S = 90.0
+SETTLE_CAP_S = 180.0  # a crash loop's end, or an unload and a cold load
+PROBE_TIMEOUT_S = 15.0
+RESET_GROWTH_MB = 1024
 
 # In this order, on one fleet. An attack's harm can outlast it: at the baseline every ejection
 # lengthens the next (base_s x count, forgotten after max_s), so 3, which measures ejection
@@ -44,23 +52,42 @@ ATTACKS: dict[str, Callable[[Ctx], Awaitable[dict]]] = {
     "6_small_bodies": small_bodies,
     "5a_slow_clients": slow_clients,
     "5b_half_open_connections": half_open,
+    # Issue 29 ("h", hardening): constraints that crash, stall or bloat the engine, floods of
+    # empty messages, and residency changes under traffic. Each starts on a working engine:
+    # settle() loads a model a crash loop left failed, and replaces an engine whose grammar
+    # compiles are wedged.
+    "h1a_deep_ref_schema": grammar_crash("schema"),
+    "h1b_lark_rule_chain": grammar_crash("lark"),
+    "h1c_tool_ref_chain": grammar_crash("tools"),
+    "h2_pattern_properties": pattern_properties_stall,
+    "h3_anyof_branches": anyof_stall,
+    "h4_regex_cache": regex_cache,
+    "h5_empty_messages": empty_messages,
+    "h6a_park_load_loop": park_load_loop,
+    "h6b_unload_during_load": unload_during_load,
 }
 
 
-async def settle(ctx: Ctx) -> float:
-    """Waits (bounded) until the gateway is ready again and refreshes the engine's address."""
+async def settle(ctx: Ctx) -> dict[str, Any]:
+    """Waits (bounded) until the victim's model is ready again, loading it when a crash loop left
+    it failed, and refreshes the engine's address; then the engine is replaced (unload and load)
+    when a tiny schema does not compile or it holds RESET_GROWTH_MB more than it started with: a
+    wedged compiler or a bloated cache would be the next attack's harm."""
     t0 = time.monotonic()
-    while time.monotonic() < t0 + SETTLE_CAP_S:
-        if (await http_request(ctx.fleet.url, "GET", "/ready", timeout=2)).status == 200:
-            with contextlib.suppress(OSError, RuntimeError, ValueError, StopIteration):
-                await asyncio.to_thread(ctx.fleet.refresh)
-                break
-        await asyncio.sleep(0.25)
-    return round(time.monotonic() - t0, 2)
+    out: dict[str, Any] = {"model": await asyncio.to_thread(ctx.fleet.recover, SETTLE_CAP_S)}
+    probe = tiny_schema_request(MODEL, f"settle {time.monotonic_ns()}").body
+    answer = await http_request(ctx.fleet.url, "POST", CHAT, probe, timeout=PROBE_TIMEOUT_S)
+    growth = ctx.sampler.growth_mb("engine")
+    if answer.status != 200 or growth > RESET_GROWTH_MB:
+        out |= {"tiny_schema": answer.text(), "engine_rss_growth_mb": round(growth)}
+        out["reset"] = await asyncio.to_thread(ctx.fleet.reset, SETTLE_CAP_S)
+    return {**out, "settle_s": round(time.monotonic() - t0, 2)}
 
 
 async def run_attack(ctx: Ctx, attack: Callable[[Ctx], Awaitable[dict]]) -> dict[str, Any]:
-    settle_s = await settle(ctx)
+    settled = await settle(ctx)
+    watch = EngineWatch(ctx.fleet)
+    await watch.start()
     t0 = time.monotonic()
     try:
         detail = await asyncio.wait_for(attack(ctx), ATTACK_CAP_S)
@@ -69,6 +96,7 @@ async def run_attack(ctx: Ctx, attack: Callable[[Ctx], Awaitable[dict]]) -> dict
     t1 = time.monotonic()
     await asyncio.sleep(ctx.args.after_s)
     t2 = time.monotonic()
+    engine = await watch.figures()
     victim = ctx.victim
     during = probe_stats(await finished(overlapping(victim.chats, t0, t1)))
     after = probe_stats(await finished([p for p in list(victim.chats) if t1 <= p.start < t2]))
@@ -81,17 +109,19 @@ async def run_attack(ctx: Ctx, attack: Callable[[Ctx], Awaitable[dict]]) -> dict
         **detail.pop("figures", {}),
         "victim_ok": f"{during['ok']}/{during['count']}",
         "victim_p50_ms": during["p50_ms"],
+        "victim_p99_ms": during["p99_ms"],
         "victim_max_ms": during["max_ms"],
         "victim_ok_after": f"{after['ok']}/{after['count']}",
         "gateway_health_max_ms": health["gateway"]["max_ms"],
         "engine_health_max_ms": health["engine"]["max_ms"],
         "gateway_rss_peak_mb": rss["gateway"]["peak_mb"],
-        "engine_rss_peak_mb": rss["engine"]["peak_mb"],
+        "engine_rss_peak_mb": rss["engine"]["peak_mb"],  # with its descendants
+        **engine,
     }
     if "error" in detail:
         figures["error"] = detail["error"]
     return {
-        "settle_s": settle_s,
+        "settle": settled,
         "seconds": round(t1 - t0, 2),
         "attack": detail,
         "victim_during": during,
@@ -148,8 +178,10 @@ def run_suite(
 
 
 def selected(only: str) -> list[str]:
+    """The attacks whose id (the name's first part) starts with one of ``only``'s: ``1`` is
+    1a-1d, ``h1`` is h1a-h1c, ``h`` all of issue 29's."""
     ids = [i for i in only.split(",") if i]
-    names = [n for n in ATTACKS if not ids or n.split("_", 1)[0] in ids or n[0] in ids]
+    names = [n for n in ATTACKS if not ids or n.split("_", 1)[0].startswith(tuple(ids))]
     if not names:
         raise SystemExit(f"--only {only!r} matches none of {', '.join(ATTACKS)}")
     return names

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 import aiohttp
 
 from scripts.attacks.fleet import MODEL, Fleet
+from scripts.attacks.loop_thread import LoopThread
 from scripts.attacks.raw_http import CHAT, error_code
 from scripts.measure import percentile
 
@@ -24,7 +24,7 @@ VICTIM_BODY = json.dumps(
 VICTIM_TIMEOUT_S = 20.0
 VICTIM_PAUSE_S = 0.1  # between one victim worker's requests: the CPUs are shared
 HEALTH_EVERY_S = 0.1
-RUN_CAP_S = 1800.0  # victim and sampler threads stop by themselves after this
+RUN_CAP_S = 3600.0  # victim and sampler threads stop by themselves after this
 
 
 @dataclass
@@ -62,34 +62,26 @@ def probe_stats(probes: list[Probe]) -> dict[str, Any]:
         "ok": sum(p.ok for p in probes),
         "failures": dict(failures.most_common()),
         "p50_ms": round(percentile(latencies, 50), 1) if latencies else None,
+        "p99_ms": round(percentile(latencies, 99), 1) if latencies else None,
         "max_ms": round(max(latencies), 1) if latencies else None,
     }
 
 
-class Victim:
+class Victim(LoopThread):
     """Another tenant: ``concurrency`` workers sending small chat requests through the gateway,
     and pollers of the gateway's and the engine's /health; every request on a new connection."""
 
     def __init__(self, fleet: Fleet, concurrency: int, source: str) -> None:
+        super().__init__()
         self.fleet, self.concurrency, self.source = fleet, concurrency, source
         self.chats: list[Probe] = []
         self.health: dict[str, list[Probe]] = {"gateway": [], "engine": []}
-        self._stop = threading.Event()
         self._deadline = time.monotonic() + RUN_CAP_S
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(VICTIM_TIMEOUT_S + 5)
 
     def _running(self) -> bool:
-        return not self._stop.is_set() and time.monotonic() < self._deadline
+        return not self.stopping.is_set() and time.monotonic() < self._deadline
 
-    async def _main(self) -> None:
+    async def main(self) -> None:
         connector = aiohttp.TCPConnector(force_close=True, limit=0, local_addr=(self.source, 0))
         timeout = aiohttp.ClientTimeout(total=VICTIM_TIMEOUT_S)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:

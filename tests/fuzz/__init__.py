@@ -9,4 +9,9 @@ Running them: ``runner.Runner`` sends cases to a ``servers.Server`` over ``excha
 sockets), judges the answers by ``verdicts`` (what counts as a finding), reads the server's
 errors through ``logs`` and gathers everything in ``report``; ``servers`` also starts the process
 servers (the engine's command line, the gateway's fleet).
+
+The structured fuzz: ``structured_cases.make_structured_case`` draws constraints from
+``schema_gens`` and ``text_gens`` (sizes from ``draw``, bodies and issue 29's pathological shapes
+from ``constraints``); ``structured_runner`` sends them beside a ``victim`` of plain requests,
+checks each 200's output with ``output_check`` and gathers ``structured_report``.
 """

@@ -47,7 +47,8 @@ def rss_bytes(pid: int, field_name: str = "VmRSS") -> int:
 
 class ProcessServer:
     """A server in a child process this code started (and so may kill, by its PID), logging to a
-    file; ``restart`` replaces it with a fresh one on a new free port."""
+    file; ``restart`` replaces it with a fresh one on a new free port. It runs in ``cwd`` (a
+    checkout: with PYTHONPATH set to it, its code imports rather than this one's)."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class ProcessServer:
         env: dict[str, str] | None = None,
         ready_path: str = "/ready",
         start_timeout_s: float = 180.0,
+        cwd: Path = REPO,
     ) -> None:
         self.name = name
         self.host = "127.0.0.1"
@@ -67,6 +69,7 @@ class ProcessServer:
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._ready_path = ready_path
         self._start_timeout_s = start_timeout_s
+        self._cwd = cwd
         self._proc: subprocess.Popen[bytes] | None = None
         self._starts = 0
         self.log: LogFile | None = None
@@ -79,7 +82,7 @@ class ProcessServer:
         with path.open("wb") as log:
             self._proc = subprocess.Popen(
                 self._command(self.port),
-                cwd=REPO,
+                cwd=self._cwd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self._env,
