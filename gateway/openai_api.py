@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from common.errors import RequestRefused, excerpt
-from common.json_body import parse_json
+from common.json_body import parse_json_body
 from common.request_body import read_body
 from gateway.auth import may_use
 from gateway.capabilities import check_capabilities
@@ -23,9 +23,9 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
 
-def parse_request(body: bytes, chat: bool) -> dict[str, Any]:
+async def parse_request(body: bytes, chat: bool) -> dict[str, Any]:
     """Checks the fields the gateway relies on; the upstream validates the rest."""
-    payload = parse_json(body)
+    payload = await parse_json_body(body)
     if not isinstance(payload, dict):
         raise RequestRefused(400, "Request body must be a JSON object.", code="invalid_json")
     model = payload.get("model")
@@ -151,7 +151,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
     started = time.monotonic()
     settings = gw.config.gateway
     body = await read_body(request, settings.max_body_bytes, settings.clients.body_timeout_s)
-    payload = parse_request(body, chat)
+    payload = await parse_request(body, chat)
     key = request[API_KEY]
     route = gw.router.resolve(payload["model"])
     if route is None or not may_use(key, route.name):

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from common.errors import RequestRefused, error_object, error_response, excerpt, refusal_response
 from common.http_server import ClientLimits
-from common.json_body import parse_json
+from common.json_body import parse_json_body
 from common.request_body import read_body
 from engine.errors import EngineError, InvalidRequestError
 from engine.serving import requests
@@ -68,7 +68,7 @@ def _engine(request: web.Request) -> AsyncEngine:
 async def _read_json(request: web.Request) -> Any:
     settings = request.app[SETTINGS_KEY]
     body = await read_body(request, settings.max_body_bytes, settings.client_limits.body_timeout_s)
-    return parse_json(body)
+    return await parse_json_body(body)
 
 
 def _served_name(request: web.Request, body: Any) -> str:

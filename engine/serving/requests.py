@@ -227,6 +227,8 @@ def _encode_chat(
     """A chat's token ids through the template, its text measured against the prompt cap first."""
     messages = parse_messages(raw_messages)
     limits.check_prompt_items(prompt_items(messages), "messages")
+    if tools is not None:
+        tools.check_parameter_schemas()
     tool_dicts = [tool.as_openai() for tool in tools.tools] if tools else None
     limits.check_prompt_chars(prompt_chars(messages, tool_dicts), "messages")
     return apply_chat_template(

@@ -127,3 +127,29 @@ def test_invalid_compressed_data_is_400(coding, data, problem):
         _inflate(coding, data, 1000)
     assert info.value.status == 400 and info.value.code == "invalid_body_encoding"
     assert problem in info.value.message and info.value.close
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch):
+    """Megabytes of small objects (120,000 empty chat messages) take hundreds of milliseconds to
+    parse and check: not on the loop that serves everyone else."""
+    import threading
+
+    from common import json_body
+
+    threads: list[str] = []
+    real = json_body.parse_json
+
+    def recorded(body: bytes):
+        threads.append(threading.current_thread().name)
+        return real(body)
+
+    monkeypatch.setattr(json_body, "parse_json", recorded)
+    small = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    large = json.dumps({"messages": [{"role": "user", "content": ""}] * 120_000}).encode()
+    assert len(await json_body.parse_json_body(small)) == 1
+    assert len((await json_body.parse_json_body(large))["messages"]) == 120_000
+    loop_thread = threading.current_thread().name
+    assert threads[0] == loop_thread and threads[1] != loop_thread
+    deep = b'{"a":' * (MAX_DEPTH + 1) + b"1" + b"}" * (MAX_DEPTH + 1)
+    with pytest.raises(RequestRefused, match="deeper than"):
+        await json_body.parse_json_body(deep + b" " * json_body.OFF_LOOP_BYTES)

@@ -88,10 +88,19 @@ BAD = [
 ]
 
 
+def checked(body: dict) -> Any:
+    """The request's tools, checked in full: the fields (parse_tool_request, on the event loop),
+    then the parameters' metaschemas (with the prompt, on the prompt thread)."""
+    request = parse_tool_request(body)
+    if request is not None:
+        request.check_parameter_schemas()
+    return request
+
+
 @pytest.mark.parametrize(("body", "param"), BAD)
 def test_bad_tool_fields_are_400_naming_the_path(body, param):
     with pytest.raises(InvalidRequestError) as raised:
-        parse_tool_request(body)
+        checked(body)
     assert raised.value.status == 400 and raised.value.param == param, raised.value.message
 
 
@@ -118,11 +127,27 @@ def test_choices():
 
 def test_a_schema_of_an_older_draft_is_checked_by_its_own_metaschema():
     draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object"}
-    assert parse_tool_request(_with_function(parameters=draft4)) is not None
+    assert checked(_with_function(parameters=draft4)) is not None
     with pytest.raises(InvalidRequestError):  # draft 4's exclusiveMinimum is a boolean
-        parse_tool_request(
-            _with_function(parameters={**draft4, "properties": {"n": {"exclusiveMinimum": 3}}})
-        )
+        checked(_with_function(parameters={**draft4, "properties": {"n": {"exclusiveMinimum": 3}}}))
+
+
+def test_metaschema_checks_wait_for_the_prompt_and_are_remembered(monkeypatch):
+    """The metaschema check is pure Python (about a second for 100 KB of schema): not on the
+    event loop's parse, and once per distinct schema."""
+    calls = []
+    real = jsonschema.Draft202012Validator.check_schema
+    monkeypatch.setattr(
+        jsonschema.Draft202012Validator,
+        "check_schema",
+        classmethod(lambda cls, schema, **kw: calls.append(schema) or real(schema, **kw)),
+    )
+    parameters = {"type": "object", "properties": {"never_seen_before": {"type": "integer"}}}
+    request = parse_tool_request(_with_function(parameters=parameters))
+    assert request is not None and calls == []
+    request.check_parameter_schemas()
+    request.check_parameter_schemas()
+    assert calls == [parameters]
 
 
 # ---- the forced call's schema ------------------------------------------------------------
