@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -11,7 +11,6 @@ class EngineConfig:
 
     model: str
     gguf_file: str | None = None
-    served_model_names: list[str] = field(default_factory=list)
     # auto | float32 | float16 | bfloat16 (auto: bf16/fp16 on CUDA, fp32 on CPU)
     dtype: str = "auto"
     # auto | none | int8 | int4: narrow CPU weights (engine.model.cpu.quantize); auto: a GGUF
@@ -39,8 +38,6 @@ class EngineConfig:
     structured_compile_workers: int = 1
 
     def __post_init__(self) -> None:
-        if not self.served_model_names:
-            self.served_model_names = [self.model]
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -29,7 +29,7 @@ async def backends(request: web.Request) -> web.Response:
             "in_flight": route.inflight,
             "backends": [b.describe() for b in route.backends],
         }
-        if gw.pool is not None and config.local:
+        if config.local:
             entry["replicas"] = [r.describe() for r in gw.pool.replicas.get(config.name, [])]
         models.append(entry)
     return web.json_response({"draining": gw.draining, "models": models})
@@ -84,18 +84,16 @@ async def prometheus_targets(request: web.Request) -> web.Response:
     goes stale; Prometheus polls this instead (``refresh_interval``)."""
     gw = request.app[GATEWAY_KEY]
     groups: list[dict] = []
-    pool = gw.pool
-    if pool is not None:
-        for model, replicas in pool.replicas.items():
-            for index, replica in enumerate(replicas):
-                if replica.proc is None or replica.proc.returncode is not None:
-                    continue  # not running: between restarts, or stopped
-                groups.append(
-                    {
-                        "targets": [f"127.0.0.1:{replica.port}"],
-                        "labels": {"model": model, "replica": str(index), "kind": "local"},
-                    }
-                )
+    for model, replicas in gw.pool.replicas.items():
+        for index, replica in enumerate(replicas):
+            if replica.proc is None or replica.proc.returncode is not None:
+                continue  # not running: between restarts, or stopped
+            groups.append(
+                {
+                    "targets": [f"127.0.0.1:{replica.port}"],
+                    "labels": {"model": model, "replica": str(index), "kind": "local"},
+                }
+            )
     if request.query.get("external", "").lower() in ("1", "true", "yes"):
         for route in gw.router.routes.values():
             for upstream in route.config.upstreams:

@@ -10,6 +10,7 @@ from aiohttp import web
 from common.errors import RequestRefused, excerpt
 from gateway.proxy.failures import UpstreamFailure
 from gateway.residency import ResidencyManager
+from gateway.residency.plan import Eviction
 from gateway.state import GATEWAY_KEY
 
 
@@ -23,20 +24,19 @@ async def models(request: web.Request) -> web.Response:
             "local": route.config.local,
             "in_flight": route.inflight,
         }
-        if residency is not None and route.name in residency.models:
+        if route.name in residency.models:
             entry.update(residency.describe(route.name))
         else:
             entry["state"] = "ready" if any(b.available for b in route.backends) else "unavailable"
         listed.append(entry)
-    budget = residency.budget() if residency is not None else None
-    return web.json_response({"memory": budget, "models": listed})
+    return web.json_response({"memory": residency.budget(), "models": listed})
 
 
 def _local_model(request: web.Request) -> tuple[ResidencyManager, str]:
     gw = request.app[GATEWAY_KEY]
     name = request.match_info["name"]
     route = gw.router.resolve(name)
-    if gw.residency is None or route is None or route.name not in gw.residency.models:
+    if route is None or route.name not in gw.residency.models:
         raise RequestRefused(
             404, f"No local model '{excerpt(name)}'.", param="name", code="model_not_found"
         )
@@ -54,7 +54,7 @@ async def load(request: web.Request) -> web.Response:
 
 async def park(request: web.Request) -> web.Response:
     residency, name = _local_model(request)
-    await residency.park(name)
+    await residency.evict(Eviction(name, "park"), "operator")
     return web.json_response({"model": name, **residency.describe(name)})
 
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gateway.app import create_app
 from gateway.config import ConfigError, load_config, with_listen
-from gateway.pool import ENGINE_LAUNCHER
+from gateway.engines.process import ENGINE_LAUNCHER
 from gateway.server import GatewayRunner
 from gateway.state import Gateway
 

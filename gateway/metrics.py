@@ -20,7 +20,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.backend import Backend, BackendState, Condition
-from gateway.replica import Replica, ReplicaState
+from gateway.engines.replica import Replica, ReplicaState
 
 UNKNOWN_MODEL = "_unknown"
 # The fixed label values, exported as zeros up front (see declare_model).
@@ -161,7 +161,8 @@ class GatewayMetrics:
     def _declare_residency_metrics(self, r: CollectorRegistry) -> None:
         self.replica_state = Gauge(
             "modelyard_replica_state",
-            "1 for the state each local replica is in (gateway/replica.py), 0 for the others",
+            "1 for the state each local replica is in (gateway/engines/replica.py), 0 for the "
+            "others",
             ["model", "replica", "state"],
             registry=r,
         )

@@ -207,8 +207,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
         started=started,
     )
     request[EXCHANGE] = ex
-    if gw.residency is not None:
-        gw.residency.touch(route.name)
+    gw.residency.touch(route.name)
     route.inflight += 1
     in_flight = gw.metrics.child(gw.metrics.in_flight, route.name)
     in_flight.inc()
@@ -217,8 +216,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
     finally:
         route.inflight -= 1
         in_flight.dec()
-        if gw.residency is not None:
-            gw.residency.touch(route.name)  # the idle TTL counts from the last request's end
+        gw.residency.touch(route.name)  # the idle TTL counts from the last request's end
         if ex.prompt_tokens is not None and ex.completion_tokens is not None:
             metrics = gw.metrics
             metrics.child(metrics.prompt_tokens, route.name).inc(ex.prompt_tokens)
@@ -234,7 +232,7 @@ async def list_models(request: web.Request) -> web.Response:
     for route in gw.router.routes.values():
         if not may_use(key, route.name):
             continue
-        if residency is not None and route.name in residency.models:
+        if route.name in residency.models:
             state = residency.model_state(route.name)
         else:
             state = "ready" if any(b.available for b in route.backends) else "unavailable"

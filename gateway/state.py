@@ -1,6 +1,6 @@
 """The gateway's state: everything one gateway process knows and runs (router, health checks,
-proxy, limits, engine pool), built from a validated config and swapped to a new one on reload.
-Handlers reach it through ``request.app[GATEWAY_KEY]``."""
+proxy, limits, engine pool and residency), built from a validated config and swapped to a new one
+on reload. Handlers reach it through ``request.app[GATEWAY_KEY]``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -17,9 +16,10 @@ from gateway.access_log import AccessLog
 from gateway.auth import Authenticator
 from gateway.config import ConfigError, FleetConfig, load_config
 from gateway.config_watch import ConfigWatcher
+from gateway.engines.pool import EnginePool
+from gateway.engines.process import ENGINE_LAUNCHER
 from gateway.health import HealthMonitor
 from gateway.metrics import GatewayMetrics
-from gateway.pool import ENGINE_LAUNCHER, EnginePool
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
 from gateway.residency import ResidencyManager
@@ -37,14 +37,10 @@ class Gateway:
         config: FleetConfig,
         config_path: str | None = None,
         *,
-        spawn_engines: bool = True,
         engine_cwd: str | None = None,
         engine_launcher: tuple[str, ...] = ENGINE_LAUNCHER,
     ) -> None:
         self.config = config
-        self.spawn_engines = spawn_engines  # start engine processes for local (source) models
-        self.engine_cwd = engine_cwd
-        self.engine_launcher = engine_launcher  # the command before the engine's flags
         self.config_path = config_path
         self.started_at = int(time.time())
         self.metrics = GatewayMetrics()
@@ -52,11 +48,14 @@ class Gateway:
         self.limiter = RateLimiter()
         self.auth = Authenticator(config.gateway.auth)
         self.draining = False
-        # Listeners for config changes (the engine pool subscribes here).
-        self.on_config: list[Callable[[FleetConfig], object]] = []
         self.session: aiohttp.ClientSession | None = None
-        self.pool: EnginePool | None = None
-        self.residency: ResidencyManager | None = None
+        # Built with every fleet, one without local models too (managing none then): a reload
+        # may add some. Their engines start with start().
+        self.pool = EnginePool(
+            self.set_backends, self.router.find, cwd=engine_cwd, launcher=engine_launcher
+        )
+        self.residency = ResidencyManager(self.pool, self.router, self.metrics, config)
+        self.pool.on_transition = self.residency.on_transition
         self.access_log = AccessLog()  # stdout
         self.health: HealthMonitor
         self.proxy: Proxy
@@ -80,30 +79,18 @@ class Gateway:
         )
         gw = self.config.gateway
         self.health = HealthMonitor(self.router, self.session, gw.health, gw.ejection)
-        if self.spawn_engines:
-            self.pool = EnginePool(
-                self.set_backends,
-                self.router.find,
-                cwd=self.engine_cwd,
-                launcher=self.engine_launcher,
-            )
-            self.residency = ResidencyManager(self.pool, self.router, self.metrics, self.config)
-            self.pool.on_transition = self.residency.on_transition
-        residency = self.residency
         self.proxy = Proxy(
             self.session,
             self.health,
             self.metrics,
             gw.retries,
-            residency.wait_for_backend if residency else None,
-            residency.engine_crashed if residency else None,
+            self.residency.wait_for_backend,
+            self.residency.engine_crashed,
         )
         self.health.sync()
-        if self.pool is not None and self.residency is not None:
-            # In the background: requests for models still loading wait in their hold lines.
-            self.on_config += [self.residency.configure, self.pool.apply_soon]
-            self.residency.start()
-            self.pool.apply_soon(self.config)
+        self.residency.start()
+        # In the background: requests for models still loading wait in their hold lines.
+        self.pool.apply_soon(self.config)
         if self.config_path and gw.watch_config:
             self._watch_task = asyncio.create_task(
                 self._watcher.run(lambda: self.reload_logged("file changed"))
@@ -119,10 +106,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
         self.access_log.flush()
-        if self.residency is not None:
-            await self.residency.stop()
-        if self.pool is not None:
-            await self.pool.stop()
+        await self.residency.stop()
+        await self.pool.stop()
         await self.health.close()
         if self.session:
             await self.session.close()
@@ -175,8 +160,8 @@ class Gateway:
         if new.retries != old.retries:
             self.proxy.configure(new.retries)
         self.config = config
-        for listener in self.on_config:
-            listener(config)
+        self.residency.configure(config)
+        self.pool.apply_soon(config)
 
     def ready(self) -> tuple[bool, dict[str, bool]]:
         models = {

@@ -40,6 +40,7 @@ This file is the command line; the fleet, the victim and the attacks are in scri
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import platform
 import signal
@@ -51,8 +52,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script: make `common` and `scripts` importable
 
+from common.http_server import raise_fd_limit  # noqa: E402
 from scripts.attacks.bodies import build_payloads  # noqa: E402
-from scripts.attacks.procfs import raise_nofile  # noqa: E402
 from scripts.attacks.report import print_table, side_by_side  # noqa: E402
 from scripts.attacks.suite import run_suite, selected  # noqa: E402
 from scripts.measure import write_report  # noqa: E402
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {
             "cpus": os.cpu_count(),
             "load_average_at_start": os.getloadavg(),
-            "nofile_limit": raise_nofile(),
+            "nofile_limit": raise_fd_limit(logging.getLogger("bench_attacks")),
             "python": platform.python_version(),
             "platform": platform.platform(),
         },

@@ -2,7 +2,7 @@
 """Gateway overhead benchmark: the same load direct to an upstream and through the gateway, side
 by side in one run, JSON out.
 
-Upstreams: a fast mock OpenAI server (tests/gateway/mock_upstream.py, started here) and, with
+Upstreams: a fast mock OpenAI server (scripts/mock_upstream.py, started here) and, with
 ``--engine-url``, a real engine (or any OpenAI-compatible server) already running.
 
 For each upstream: non-streaming requests at concurrency 1 (latency p50/p99) and 64 (requests/s),
@@ -38,9 +38,10 @@ from common.net import free_port
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script: make `scripts` importable
 
+from common.processes import cpu_seconds, stop_process  # noqa: E402
 from scripts.measure import percentile  # noqa: E402
+from scripts.mock_upstream import MockUpstream  # noqa: E402
 
-MOCK = REPO / "tests" / "gateway" / "mock_upstream.py"
 IDLE_SAMPLE_S = 2.0
 GOALS = {
     "cpu_ms_per_request": 0.5,
@@ -60,12 +61,6 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 60.0) -
             return
         time.sleep(0.05)
     raise RuntimeError(f"{url} not ready after {timeout}s")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def raw_load(
@@ -190,15 +185,21 @@ async def measure(
     def n(count: int) -> int:
         return max(10, int(count * scale))
 
+    def gateway_cpu_s() -> float:
+        seconds = cpu_seconds(gateway_pid)
+        if seconds is None:
+            raise RuntimeError(f"the gateway (PID {gateway_pid}) is gone")
+        return seconds
+
     out: dict[str, Any] = {"direct": {}, "gateway": {}}
     targets = (("direct", direct_base, direct_model), ("gateway", gateway_base, gateway_model))
     path = "/v1/chat/completions"
     for _name, base, model in targets:  # warm connections and caches
         await load(base + path, body(model, False), 8, n(200), 10)
     # Background CPU (health checks, timers) while idle, to subtract from slow phases.
-    idle_before = cpu_seconds(gateway_pid)
+    idle_before = gateway_cpu_s()
     await asyncio.sleep(IDLE_SAMPLE_S)
-    idle_rate = (cpu_seconds(gateway_pid) - idle_before) / IDLE_SAMPLE_S
+    idle_rate = (gateway_cpu_s() - idle_before) / IDLE_SAMPLE_S
     out["gateway_idle_cpu_s_per_s"] = round(idle_rate, 5)
     phases = (
         ("c1", 1, n(args.requests_c1), False),
@@ -207,7 +208,7 @@ async def measure(
     )
     for phase, concurrency, count, stream in phases:
         for name, base, model in targets:
-            cpu_before = cpu_seconds(gateway_pid)
+            cpu_before = gateway_cpu_s()
             if stream:
                 result = await load(
                     base + path, body(model, True), concurrency, count, args.max_seconds, True
@@ -217,7 +218,7 @@ async def measure(
                     base + path, body(model, False), concurrency, count, args.max_seconds
                 )
             if name == "gateway" and result["requests"]:
-                cpu = cpu_seconds(gateway_pid) - cpu_before
+                cpu = gateway_cpu_s() - cpu_before
                 net = max(0.0, cpu - idle_rate * result["seconds"])
                 result["gateway_cpu_s_per_1000"] = round(cpu / result["requests"] * 1000, 4)
                 result["gateway_cpu_s_per_1000_net_of_idle"] = round(
@@ -263,7 +264,8 @@ def write_config(path: Path, models: list[dict[str, Any]], access_log: bool) -> 
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    procs: list[subprocess.Popen] = []
+    mock = MockUpstream("mock")
+    gateway: subprocess.Popen | None = None
     report: dict[str, Any] = {
         "benchmark": "gateway overhead (direct vs through the gateway)",
         "machine": {
@@ -277,16 +279,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mock_port = free_port()
-            mock_url = f"http://127.0.0.1:{mock_port}"
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(MOCK), "--port", str(mock_port), "--name", "mock"],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-            wait_ready(mock_url + "/ready", procs[-1])
+            mock_url = mock.start(timeout=60).url
             models = [{"name": "bench", "upstreams": [mock_url]}]
             if args.engine_url:
                 models.append(
@@ -317,7 +310,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            procs.append(gateway)
             gateway_url = f"http://127.0.0.1:{port}"
             wait_ready(gateway_url + "/ready", gateway)
             report["mock"] = await measure(
@@ -335,12 +327,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     args.engine_scale,
                 )
         finally:
-            for proc in procs:
-                proc.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=10)
-                if proc.poll() is None:
-                    proc.kill()
+            if gateway is not None:
+                stop_process(gateway, 10)
+            mock.stop()
     report["machine"]["load_average_at_end"] = os.getloadavg()
     vs = report["mock"]["gateway_vs_direct"]
     gateway_rps = report["mock"]["gateway"]["c64"]["requests_per_s"]

@@ -1,22 +1,22 @@
 #!/usr/bin/env python
-"""Long seeded HTTP fuzz of the gateway and the engine: the cases of tests/fuzz/cases.py, sent by
-tests/fuzz/runner.py and judged by tests/fuzz/verdicts.py (its docstring says what counts as a
-finding), JSON out.
+"""Long seeded HTTP fuzz of the gateway and the engine: the cases of scripts/fuzzer/cases.py, sent
+by scripts/fuzzer/runner.py and judged by scripts/fuzzer/verdicts.py (its docstring says what
+counts as a finding), JSON out.
 
 Starts its own servers on 127.0.0.1 free ports and stops them (only those) at the end:
 - gateway: ``modelyard serve`` as a process, API keys on, model m1 on a mock upstream
-  (tests/gateway/mock_upstream.py, answering 2 tokens whatever is asked), model ``down`` on a
+  (scripts/mock_upstream.py, answering 2 tokens whatever is asked), model ``down`` on a
   port nothing listens on;
 - engine: ``python -m engine`` on a tiny random Llama built into a temp dir, or --engine-model.
 
 Exits 1 on any finding (5xx, non-JSON error body, hang, close without answer, RSS over the cap)
 or RSS growth over --max-rss-growth-mib, else 0.
 
-``--structured``: constraints instead (tests/fuzz/structured_cases.py: JSON schemas, regexes,
+``--structured``: constraints instead (scripts/fuzzer/structured_cases.py: JSON schemas, regexes,
 Lark/GBNF grammars, choices, tools under tool_choice required; sane, deep, wide, pathological and
 garbage), to ``python -m engine`` on the SmolLM2 GGUF (--engine-model) and/or through
 ``modelyard serve`` (scripts/attacks/fleet.py), from the checkout --repo, while a victim sends
-plain requests beside them (tests/fuzz/structured_runner.py). Exits 1 unless 0 crashes (the
+plain requests beside them (scripts/fuzzer/structured_runner.py). Exits 1 unless 0 crashes (the
 engine's PID alive throughout), 0 5xx and other findings (a 200 breaking its constraint
 included) and the victim's p99 under --victim-p99-ms.
 
@@ -45,15 +45,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.net import free_port  # noqa: E402
+from common.processes import alive  # noqa: E402
 from scripts.attacks.fleet import MODEL as FLEET_MODEL  # noqa: E402
 from scripts.attacks.fleet import Fleet  # noqa: E402
-from scripts.attacks.procfs import proc_alive  # noqa: E402
-from scripts.measure import write_report  # noqa: E402
-from tests.fuzz.logs import LogFile  # noqa: E402
-from tests.fuzz.profile import engine_profile, gateway_profile  # noqa: E402
-from tests.fuzz.report import Report  # noqa: E402
-from tests.fuzz.runner import Runner, Settings  # noqa: E402
-from tests.fuzz.servers import (  # noqa: E402
+from scripts.fuzzer.logs import LogFile  # noqa: E402
+from scripts.fuzzer.profile import engine_profile, gateway_profile  # noqa: E402
+from scripts.fuzzer.report import Report  # noqa: E402
+from scripts.fuzzer.runner import Runner, Settings  # noqa: E402
+from scripts.fuzzer.servers import (  # noqa: E402
     GATEWAY_ADMIN_ENV,
     GATEWAY_KEY_ENV,
     GATEWAY_KEYS,
@@ -62,10 +61,11 @@ from tests.fuzz.servers import (  # noqa: E402
     engine_command,
     gateway_document,
 )
-from tests.fuzz.structured_report import StructuredReport  # noqa: E402
-from tests.fuzz.structured_runner import StructuredRunner, StructuredSettings  # noqa: E402
-from tests.gateway.conftest import MockUpstream  # noqa: E402
-from tests.tiny_models import build_tiny_llama  # noqa: E402
+from scripts.fuzzer.structured_report import StructuredReport  # noqa: E402
+from scripts.fuzzer.structured_runner import StructuredRunner, StructuredSettings  # noqa: E402
+from scripts.measure import write_report  # noqa: E402
+from scripts.mock_upstream import MockUpstream  # noqa: E402
+from scripts.tiny_models import build_tiny_llama  # noqa: E402
 
 ENGINE_NAME = "tiny"
 ENGINE_FLAGS = (
@@ -149,7 +149,7 @@ class FleetServer:
         return self.fleet.engine_pid or 0
 
     def alive(self) -> bool:
-        return proc_alive(self.pid)
+        return alive(self.pid)
 
     def new_errors(self) -> list[str]:
         return self._log.new_errors()

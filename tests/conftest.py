@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import build_tiny_llama, build_tiny_sliding, build_tokenizer
+from scripts.tiny_models import build_tiny_llama, build_tiny_sliding, build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_GGUF = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from aiohttp import web
 
 from common.http_server import ClientLimits
 from common.net import free_port
+from common.processes import kill_process, stop_process
 from engine.serving.app import ServerSettings, create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.server import EngineRunner
@@ -107,16 +107,9 @@ class EngineProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc, timeout)
         self._log.close()
         return self.proc.returncode
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        kill_process(self.proc)

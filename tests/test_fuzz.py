@@ -1,4 +1,4 @@
-"""A bounded, seeded HTTP fuzz of both servers (the package tests/fuzz/: cases from cases.py,
+"""A bounded, seeded HTTP fuzz of both servers (the package scripts/fuzzer/: cases from cases.py,
 sent by runner.py and judged by verdicts.py, whose docstring says what counts as a finding). The
 longer run is scripts/fuzz.py.
 
@@ -8,11 +8,11 @@ longer run is scripts/fuzz.py.
   process, so that its RSS is its own and a runaway allocation can be killed by PID).
 
 Each must give 0 5xx (502-504 only for ``down``), 0 non-JSON error bodies, 0 hangs, 0 closes
-without an answer (except where tests/fuzz/verdicts.py allows them) and bounded RSS growth. A
+without an answer (except where scripts/fuzzer/verdicts.py allows them) and bounded RSS growth. A
 failure lists the findings grouped by cause, each with the seed and index that rebuild its case:
 ``make_case(gateway_profile(...) or engine_profile(), seed, index)``.
 
-The structured fuzz (tests/fuzz/structured_runner.py): its cases' reproducibility, the output
+The structured fuzz (scripts/fuzzer/structured_runner.py): its cases' reproducibility, the output
 validator on known outputs, and a short run of constraints up to the sizes issue 29 found
 crashing or stalling the engine, against the tiny model.
 """
@@ -29,17 +29,17 @@ import yaml
 from aiohttp import web
 
 from common.net import free_port
-from engine.model.park.host_memory import trim_heap
+from engine.model.host_memory import trim_heap
 from gateway.app import Gateway, create_app
 from gateway.config import load_config
 from gateway.server import GatewayRunner
-from tests.fuzz.constraints import Constraint, anyof_objects, counted_regex, ref_chain_tools
-from tests.fuzz.logs import LogCapture
-from tests.fuzz.output_check import Output, check
-from tests.fuzz.profile import engine_profile, gateway_profile
-from tests.fuzz.report import Report
-from tests.fuzz.runner import Runner, Settings
-from tests.fuzz.servers import (
+from scripts.fuzzer.constraints import Constraint, anyof_objects, counted_regex, ref_chain_tools
+from scripts.fuzzer.logs import LogCapture
+from scripts.fuzzer.output_check import Output, check
+from scripts.fuzzer.profile import engine_profile, gateway_profile
+from scripts.fuzzer.report import Report
+from scripts.fuzzer.runner import Runner, Settings
+from scripts.fuzzer.servers import (
     GATEWAY_ADMIN_ENV,
     GATEWAY_KEY_ENV,
     GATEWAY_KEYS,
@@ -48,8 +48,8 @@ from tests.fuzz.servers import (
     engine_command,
     gateway_document,
 )
-from tests.fuzz.structured_cases import GENERATORS, make_structured_case
-from tests.fuzz.structured_runner import StructuredRunner, StructuredSettings
+from scripts.fuzzer.structured_cases import GENERATORS, make_structured_case
+from scripts.fuzzer.structured_runner import StructuredRunner, StructuredSettings
 from tests.gateway.conftest import MockUpstream
 
 pytestmark = pytest.mark.timeout(300)

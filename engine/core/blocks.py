@@ -1,10 +1,6 @@
-"""Paged KV block manager: on-demand allocation, ref counts, prefix caching and copy-on-write.
-
-Every block is in exactly one state:
-- free: ref count 0, no hash, in ``_free``;
-- cached: ref count 0 but holding a full block's hash, in ``_lru`` (reusable on a prefix hit,
-  evicted least recently used first when a new block is needed);
-- referenced: ref count == number of occurrences in live sequences' block tables.
+"""Paged KV block manager: sequences' block tables, on-demand allocation, prefix caching and
+copy-on-write, over a BlockPool (engine/core/block_pool.py: each block's state, ref counts, the free
+list, the LRU of cached blocks and the hash map).
 
 Full blocks are keyed by a chained SHA-256 (previous block's digest + this block's token ids), so a
 hit means the whole prefix up to and including that block is identical; a strong hash makes a
@@ -16,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import weakref
 from array import array
-from collections import OrderedDict, deque
 
+from engine.core.block_pool import BlockPool
 from engine.core.sequence import Sequence
 
 _ROOT_HASH = b""
@@ -49,11 +45,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self._ref = [0] * num_blocks
-        self._block_hash: list[bytes | None] = [None] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, oldest first
-        self._cached: dict[bytes, int] = {}  # hash -> block holding it
+        self.pool = BlockPool(num_blocks)
         self._copies: dict[int, int] = {}  # pending copy-on-write, dst -> src, in issue order
         # Keyed by the Sequence object and dropped with it: hashes stay valid across preemption
         # because a sequence's tokens only ever grow.
@@ -67,12 +59,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: truly free plus evictable cached ones."""
-        return len(self._free) + len(self._lru)
+        return self.pool.num_free
 
     @property
     def num_cached_blocks(self) -> int:
         """Unreferenced blocks still holding a reusable prefix."""
-        return len(self._lru)
+        return self.pool.num_cached
 
     @property
     def usage(self) -> float:
@@ -95,24 +87,9 @@ class BlockManager:
             hashes.append(chain_hash(prev, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[index]
 
-    def _take_block(self) -> int:
-        if self._free:
-            block = self._free.popleft()
-        else:
-            block, _ = self._lru.popitem(last=False)
-            del self._cached[self._block_hash[block]]  # type: ignore[index]
-            self._block_hash[block] = None
-        self._ref[block] = 1
-        return block
-
     def _release(self, block: int) -> None:
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
+        if self.pool.release(block):
             self._copies.pop(block, None)  # a copy into a block nobody holds is moot
-            if self._block_hash[block] is None:
-                self._free.append(block)
-            else:
-                self._lru[block] = None
 
     def match_prefix(self, seq: Sequence) -> None:
         """Attach cached full blocks for seq's longest cached prefix (on admission or re-admission).
@@ -127,12 +104,10 @@ class BlockManager:
         state = self._seq_state(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
-            block = self._cached.get(self._block_hash_of(seq, state, i))
+            block = self.pool.lookup(self._block_hash_of(seq, state, i))
             if block is None:
                 break
-            if self._ref[block] == 0:
-                del self._lru[block]
-            self._ref[block] += 1
+            self.pool.acquire(block)
             seq.block_table.append(block)
         matched = len(seq.block_table) * self.block_size
         state.num_committed = len(seq.block_table)
@@ -151,19 +126,19 @@ class BlockManager:
         computed = seq.num_computed_tokens
         end = -(-(computed + num_new_tokens) // bs)  # blocks needed in all
         have = len(table)
-        ref = self._ref
+        pool = self.pool
         # Only the blocks this step writes into can need a copy (usually none or one).
-        shared = [i for i in range(computed // bs, min(end, have)) if ref[table[i]] > 1]
-        if max(0, end - have) + len(shared) > len(self._free) + len(self._lru):
+        shared = [i for i in range(computed // bs, min(end, have)) if pool.ref_count(table[i]) > 1]
+        if max(0, end - have) + len(shared) > pool.num_free:
             return False
         for i in shared:
             src = table[i]
-            dst = self._take_block()
+            dst = pool.take()
             self._copies[dst] = src
-            self._ref[src] -= 1  # still > 0: someone else holds it
+            pool.release(src)  # not its last reference: someone else holds it
             table[i] = dst
         while len(table) < end:
-            table.append(self._take_block())
+            table.append(pool.take())
         if self._pending_lookups:
             queries, hits = self._pending_lookups.pop(seq, (0, 0))
             self.prefix_cache_queries += queries
@@ -183,20 +158,14 @@ class BlockManager:
         state = self._seq_state(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for i in range(state.num_committed, num_full):
-            block_hash = self._block_hash_of(seq, state, i)
-            block = seq.block_table[i]
-            # An identical block may be cached already (same prefix computed twice at once);
-            # keep the first and let this one become plain free when released.
-            if self._block_hash[block] is None and block_hash not in self._cached:
-                self._block_hash[block] = block_hash
-                self._cached[block_hash] = block
+            self.pool.offer(seq.block_table[i], self._block_hash_of(seq, state, i))
         state.num_committed = max(state.num_committed, num_full)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Make child share all of parent's blocks (each gains a reference)."""
         assert not child.block_table, "child already holds blocks"
         for block in parent.block_table:
-            self._ref[block] += 1
+            self.pool.acquire(block)
         child.block_table = list(parent.block_table)
         parent_state = self._state.get(parent)
         if parent_state is not None:
@@ -206,13 +175,9 @@ class BlockManager:
 
     def reset(self) -> None:
         """Every block free and no prefix cached, for pools that were freed and reallocated (a
-        sleep): the cached blocks' contents are gone. Only while no sequence holds a block."""
-        if any(self._ref) or self._copies:
-            raise RuntimeError("blocks are still in use")
-        self._block_hash = [None] * self.num_blocks
-        self._free = deque(range(self.num_blocks))
-        self._lru.clear()
-        self._cached.clear()
+        sleep): the cached blocks' contents are gone. Only while no sequence holds a block (a
+        pending copy's destination is held too)."""
+        self.pool.reset()
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; hashed blocks stay reusable until evicted.

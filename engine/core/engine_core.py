@@ -1,23 +1,24 @@
 """The engine loop: admit requests, run one scheduled step at a time, emit per-step deltas.
 
-One step = schedule -> run the model -> advance progress -> sample -> append, detokenize, check stop
-conditions -> RequestOutput deltas. The core is synchronous and single-threaded; the server drives
-it from its own thread.
+One step = schedule -> run the model -> sample -> detokenize -> the scheduler's update (appends,
+stop conditions, frees; engine/core/scheduler.py) -> RequestOutput deltas from what it returns.
+Detokenising comes before the update because a stop string, found in the text, ends a sequence
+there; the text a sequence held back is flushed when the update says it finished otherwise. The
+core is synchronous and single-threaded; the server drives it from its own thread.
 
 A constrained request (SamplingParams.structured) holds a ticket on its grammar for as long as
 it lives and enters the scheduler once the grammar has compiled (engine.structured, in a worker
 process; the server awaits that compile at admission, so it is usually cached by then); each of
 its sequences gets a matcher, which the sampler masks with and which takes every token the
-sequence appends. A grammar that terminates finishes its sequence with "stop"; one that refuses
-the sampled token (it allows none, or the library gave up on its size) ends the request with a
-400 in its output (RequestOutput.error), and the token is not emitted: a reply never breaks its
-constraint.
+sequence appends (in the update). A grammar that terminates finishes its sequence with "stop";
+one that refuses the sampled token (it allows none, or the library gave up on its size) ends the
+request with a 400 in its output (RequestOutput.error), and the token is not emitted: a reply
+never breaks its constraint.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from engine.core.blocks import BlockManager
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.sampling import Sampler
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import SampledToken, Scheduler, SchedulerOutput, StepUpdate
 from engine.core.sequence import (
     CompletionOutput,
     RequestOutput,
@@ -100,7 +101,7 @@ class EngineCore:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(
             loaded.tokenizer,
@@ -150,6 +151,7 @@ class EngineCore:
                     params,
                     choice_index=index,
                     arrival_time=arrival_time,
+                    eos_token_ids=self.eos_token_ids,
                 )
             )
             self._next_seq_id += 1
@@ -248,42 +250,45 @@ class EngineCore:
         laps.lap(BATCH)
         logits = self.runner.execute(batch)
         laps.lap(FORWARD)
-        to_sample = self.scheduler.finish_step(out)
-        outputs = compiled
-        if to_sample:
-            seqs = [seq for seq, _ in to_sample]
-            rows = [row for _, row in to_sample]
-            if rows != list(range(logits.shape[0])):  # n>1 siblings share their leader's row
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            laps.lap(POSTPROCESS)
-            token_ids, logprobs = self.sampler(logits, seqs)
-            laps.lap(SAMPLE)
-            outputs += self._process(seqs, token_ids, logprobs)
+        token_ids, logprobs = self._sample(out, logits) if out.to_sample else ([], [])
+        laps.lap(SAMPLE)
+        sampled = [
+            self._with_text(seq, token, logprob)
+            for seq, token, logprob in zip(out.to_sample, token_ids, logprobs, strict=True)
+        ]
+        update = self.scheduler.update_from_output(out, sampled)
+        outputs = compiled + self._outputs(update)
         laps.lap(POSTPROCESS)
         laps.end_step()
         return outputs
 
-    def _process(
-        self, seqs: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprob | None]
-    ) -> list[RequestOutput]:
+    def _sample(
+        self, out: SchedulerOutput, logits: torch.Tensor
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        rows = out.logits_rows
+        if rows != list(range(logits.shape[0])):  # n>1 siblings share their leader's row
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return self.sampler(logits, out.to_sample)
+
+    def _with_text(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> SampledToken:
+        """The token with its text and the stop string that text completes, if any."""
+        text, stop_str = "", None
+        if token not in seq.stop_token_ids or seq.params.include_stop_str_in_output:
+            detokenizer = self._requests[seq.request_id].detokenizers[seq.choice_index]
+            text, stop_str = detokenizer.add([token])
+        return SampledToken(seq, token, logprob, text, stop_str)
+
+    def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
+        """The step's deltas: a refused request's error, then every request with new tokens."""
+        failed = [
+            self._fail(seq.request_id, self._requests[seq.request_id], self._grammar_failed(seq))
+            for seq in update.refused
+        ]
+        self._generation_tokens += len(update.appended)
         touched: dict[str, _Request] = {}
-        failed: list[RequestOutput] = []
-        now = time.monotonic()
-        for seq, token, logprob in zip(seqs, token_ids, logprobs, strict=True):
-            request = self._requests.get(seq.request_id)
-            if request is None or seq.is_finished:
-                continue
-            if seq.matcher is not None and not seq.matcher.accept(token):
-                # The sampler picks only allowed tokens, so the grammar allowed none here, or
-                # the library gave up on it: the request ends with the error, without the token.
-                failed.append(self._fail(seq.request_id, request, self._grammar_failed(seq)))
-                touched.pop(seq.request_id, None)
-                continue
-            seq.append_token(token)
-            self._generation_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            text, reason = self._detokenize_and_check(seq, request, token)
+        for sample in update.appended:
+            seq = sample.seq
+            request = touched[seq.request_id] = self._requests[seq.request_id]
             delta = request.pending.get(seq.choice_index)
             if delta is None:
                 delta = request.pending[seq.choice_index] = CompletionOutput(
@@ -292,14 +297,16 @@ class EngineCore:
                     text="",
                     logprobs=[] if seq.params.logprobs is not None else None,
                 )
-            delta.token_ids.append(token)
-            delta.text += text
-            if delta.logprobs is not None and logprob is not None:
-                delta.logprobs.append(logprob)
-            if reason is not None:
-                delta.finish_reason = reason
-                self.scheduler.finish(seq, reason)
-            touched[seq.request_id] = request
+            delta.token_ids.append(sample.token_id)
+            delta.text += sample.text
+            if delta.logprobs is not None and sample.logprob is not None:
+                delta.logprobs.append(sample.logprob)
+        for seq in update.finished:
+            request = self._requests[seq.request_id]
+            delta = request.pending[seq.choice_index]
+            # what it held back (a partial character, a stop string's possible start), if any
+            delta.text += request.detokenizers[seq.choice_index].flush()
+            delta.finish_reason = seq.finish_reason
         return failed + [self._emit(request_id, request) for request_id, request in touched.items()]
 
     def _grammar_failed(self, seq: Sequence) -> InvalidRequestError:
@@ -321,8 +328,8 @@ class EngineCore:
         return InvalidRequestError(message, code=code)
 
     def _fail(self, request_id: str, request: _Request, error: EngineError) -> RequestOutput:
-        """Ends every sequence of the request; its last output carries `error`."""
-        self.scheduler.abort(request_id)
+        """Ends the request (the scheduler has ended those it held); its last output carries
+        `error`."""
         for seq in request.seqs:  # those never scheduled (their grammar failed to compile)
             if not seq.is_finished:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
@@ -330,30 +337,6 @@ class EngineCore:
         output = self._emit(request_id, request)
         output.error = error
         return output
-
-    def _detokenize_and_check(
-        self, seq: Sequence, request: _Request, token: int
-    ) -> tuple[str, str | None]:
-        """Text to emit for ``token`` and the finish reason, if the sequence ends here."""
-        params = seq.params
-        detokenizer = request.detokenizers[seq.choice_index]
-        stop_token = (not params.ignore_eos and token in self.eos_token_ids) or (
-            token in params.stop_token_ids
-        )
-        text = ""
-        if not stop_token or params.include_stop_str_in_output:
-            text, stop_str = detokenizer.add([token])
-            if stop_str is not None:
-                return text, "stop"
-        if stop_token or (seq.matcher is not None and seq.matcher.is_terminated):
-            reason = "stop"  # an end token, or the grammar is complete
-        elif (
-            params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
-        ) or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        else:
-            return text, None
-        return text + detokenizer.flush(), reason
 
     def _emit(self, request_id: str, request: _Request) -> RequestOutput:
         first = request.seqs[0]

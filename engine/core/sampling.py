@@ -29,8 +29,7 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence, TokenLogprob
-from engine.model.cpu.kernels.argmax import argmax_rows
-from engine.model.cpu.threads import split_threads
+from engine.model.sampling_ops import greedy_tokens, single_threaded
 from engine.structured.bitmask import BitmaskApplier, allocate_bitmask
 from engine.structured.matcher import BitmaskFiller
 
@@ -78,11 +77,11 @@ class Sampler:
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy) == len(seqs):
-            tokens = _greedy(scores)
+            tokens = greedy_tokens(scores)
         else:
             picked: dict[int, int] = {}
             if greedy:
-                best = _greedy(scores[_index(greedy, scores.device)])
+                best = greedy_tokens(scores[_index(greedy, scores.device)])
                 picked.update(zip(greedy, best, strict=True))
             picked.update(
                 self._sample(scores, seqs, [i for i, p in enumerate(params) if not p.greedy])
@@ -108,7 +107,7 @@ class Sampler:
             bitmask[dead] = -1
         # One thread: on shared cores a second one's wake-up costs more than it saves, and
         # sometimes milliseconds (docs/PERFORMANCE.md#structured-outputs).
-        with split_threads(torch.get_num_threads()):
+        with single_threaded():
             return self._mask_applier.apply(scores, bitmask, rows)
 
     def _sample(
@@ -150,12 +149,6 @@ class Sampler:
                 tokens, _ = _sample_truncated(redo_scores, vocab, redo_params, redo_u)
                 picked.update(zip(redo, tokens, strict=True))
         return picked
-
-
-def _greedy(scores: torch.Tensor) -> list[int]:
-    """Each row's most likely token (the first of equals)."""
-    tokens = argmax_rows(scores)
-    return tokens if tokens is not None else scores.max(dim=-1).indices.tolist()
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Iteration-level continuous batching: which sequences run how many tokens in the next step.
+"""Iteration-level continuous batching: which sequences run how many tokens in the next step, and
+what the step's sampled tokens do to them.
 
 Policy, per step:
 1. Running sequences that decode (one token left to compute), then running sequences whose
@@ -9,6 +10,14 @@ Policy, per step:
    earlier big one (no starvation; the head waits for running sequences to finish).
 When a running sequence cannot get a block, the most recently started running sequence (possibly
 itself) is preempted by recompute: its blocks are freed and it goes back to the front of the queue.
+
+After the forward and the sampler, `update_from_output` is the one place a step's results change
+the sequences (like vLLM v1's scheduler): it advances every scheduled sequence's progress
+(committing full blocks, forking the n>1 siblings of a leader whose prefill completed), then gives
+each sampled token to its sequence's grammar matcher, appends it and checks the stop conditions,
+freeing a finished sequence's blocks at once. Stop strings are the one condition it cannot see:
+they need the text, so the core detokenises each token before the update and hands over the stop
+string the text completed (`SampledToken.stop_str`); the core emits what the update returns.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.blocks import BlockManager
-from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.model.step_batch import StepBatch
 
 
@@ -31,6 +40,11 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)
     copy_ops: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
+    # The sequences to sample after this step and the logits row each samples from: one row per
+    # sequence whose chunk reaches its last token, in batch order; an n>1 leader's siblings, forked
+    # by the update, sample from its row.
+    to_sample: list[Sequence] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -38,7 +52,7 @@ class SchedulerOutput:
 
     def to_step_batch(self) -> StepBatch:
         """The scheduled chunks of every sequence flattened into the runner's one row (before
-        finish_step advances their progress)."""
+        update_from_output advances their progress)."""
         batch = StepBatch([], [], [], [], [], [], copy_ops=self.copy_ops)
         for seq, num_new in zip(self.seqs, self.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
@@ -53,12 +67,39 @@ class SchedulerOutput:
         return batch
 
 
+@dataclass(slots=True)
+class SampledToken:
+    """One sequence's sampled token, as the core hands it to the update."""
+
+    seq: Sequence
+    token_id: int
+    logprob: TokenLogprob | None  # for the core's delta
+    text: str  # the text it adds, detokenised by the core (for its delta)
+    stop_str: str | None  # the stop string that text completed, which ends the sequence
+
+
+@dataclass
+class StepUpdate:
+    """What a step's sampled tokens did, as update_from_output returns it to the core.
+
+    A request whose grammar refused a token answers with that error alone: its sequences are all
+    finished ("abort") and none of its tokens in this step is in `appended` or `finished`.
+    """
+
+    appended: list[SampledToken] = field(default_factory=list)  # in batch order
+    finished: list[Sequence] = field(default_factory=list)  # finish_reason set, blocks freed
+    refused: list[Sequence] = field(default_factory=list)  # the grammar refused its token
+
+
 class Scheduler:
     """Continuous-batching scheduler over one BlockManager."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len  # the config's, capped by the model's positions
         self.block_manager = block_manager
         self.running: list[Sequence] = []  # in start order; the last is preempted first
         self.waiting: deque[Sequence] = deque()
@@ -123,12 +164,20 @@ class Scheduler:
 
         # Stable: decodes first, then prefills, each in scheduling order.
         order = sorted(scheduled, key=lambda s: s.num_uncomputed_tokens > 1)
-        return SchedulerOutput(
+        out = SchedulerOutput(
             seqs=order,
             num_new_tokens=[scheduled[s] for s in order],
             copy_ops=self.block_manager.take_copy_ops(),
             num_preempted=num_preempted,
         )
+        row = 0
+        for seq in order:
+            if seq.num_computed_tokens + scheduled[seq] == seq.num_tokens:
+                for choice in (seq, *self._siblings.get(seq.seq_id, ())):
+                    out.to_sample.append(choice)
+                    out.logits_rows.append(row)
+                row += 1
+        return out
 
     def _admit_waiting(self, scheduled: dict[Sequence, int]) -> None:
         seats = len(self.running) + sum(
@@ -172,32 +221,60 @@ class Scheduler:
         self._num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish_step(self, out: SchedulerOutput) -> list[tuple[Sequence, int]]:
-        """Advance progress after the forward; return (seq, logits row) for each seq to sample.
+    def update_from_output(self, step: SchedulerOutput, sampled: list[SampledToken]) -> StepUpdate:
+        """Apply a step's results: progress, then each sampled token (``sampled`` follows
+        ``step.to_sample``)."""
+        self._advance(step)
+        update = StepUpdate()
+        for sample in sampled:
+            seq = sample.seq
+            if seq.is_finished:  # a sibling's refused token ended its request earlier in this loop
+                continue
+            if seq.matcher is not None and not seq.matcher.accept(sample.token_id):
+                # The sampler picks only allowed tokens, so the grammar allowed none here, or the
+                # library gave up on it: the request ends, without the token.
+                update.refused.append(seq)
+                self.abort(seq.request_id)
+                continue
+            seq.append_token(sample.token_id)
+            update.appended.append(sample)
+            reason = self._stop_reason(seq, sample)
+            if reason is not None:
+                self._finish(seq, reason)
+                update.finished.append(seq)
+        if update.refused:
+            ended = {seq.request_id for seq in update.refused}
+            update.appended = [s for s in update.appended if s.seq.request_id not in ended]
+            update.finished = [s for s in update.finished if s.request_id not in ended]
+        return update
 
-        Rows follow the runner's rule: one per scheduled seq whose chunk reaches its last known
-        token, in batch order. n>1 siblings are forked when their leader's prefill completes and
-        sample from the leader's row.
-        """
-        to_sample: list[tuple[Sequence, int]] = []
+    def _advance(self, step: SchedulerOutput) -> None:
+        """Count the step's chunks as computed; fork the siblings of a leader now prefilled."""
         block_size = self.block_manager.block_size
-        row = 0
-        for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
+        for seq, num_new in zip(step.seqs, step.num_new_tokens, strict=True):
             computed = seq.num_computed_tokens
-            reaches_end = computed + num_new == seq.num_tokens
-            if seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens = computed + num_new
-                # Earlier full blocks were committed when they filled (or matched on admission).
-                if (computed + num_new) // block_size > computed // block_size:
-                    self.block_manager.commit_full_blocks(seq)
-                if reaches_end:
-                    to_sample.append((seq, row))
-                    for sibling in self._siblings.pop(seq.seq_id, ()):
-                        self._fork(seq, sibling)
-                        to_sample.append((sibling, row))
-            if reaches_end:
-                row += 1
-        return to_sample
+            seq.num_computed_tokens = computed + num_new
+            # Earlier full blocks were committed when they filled (or matched on admission).
+            if (computed + num_new) // block_size > computed // block_size:
+                self.block_manager.commit_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                for sibling in self._siblings.pop(seq.seq_id, ()):
+                    self._fork(seq, sibling)
+
+    def _stop_reason(self, seq: Sequence, sample: SampledToken) -> str | None:
+        """Why seq ends with the token it just appended, if it does."""
+        if (
+            sample.stop_str is not None
+            or sample.token_id in seq.stop_token_ids
+            or (seq.matcher is not None and seq.matcher.is_terminated)
+        ):
+            return "stop"
+        max_tokens = seq.params.max_tokens
+        if (
+            max_tokens is not None and seq.num_output_tokens >= max_tokens
+        ) or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _fork(self, leader: Sequence, sibling: Sequence) -> None:
         self.block_manager.fork(leader, sibling)
@@ -207,7 +284,7 @@ class Scheduler:
         sibling.status = SequenceStatus.RUNNING
         self.running.append(sibling)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and free its blocks now."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -216,12 +293,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
-        # Siblings still waiting for this leader's prefill: the first takes over as leader.
-        siblings = self._siblings.pop(seq.seq_id, None)
-        if siblings:
-            self.waiting.appendleft(siblings[0])
-            if len(siblings) > 1:
-                self._siblings[siblings[0].seq_id] = siblings[1:]
         group = self._groups.get(seq.request_id)
         if group is not None and all(s.is_finished for s in group):
             del self._groups[seq.request_id]
@@ -231,7 +302,6 @@ class Scheduler:
         group = self._groups.pop(request_id, [])
         aborted = [s for s in group if not s.is_finished]
         for seq in aborted:
-            self._siblings.pop(seq.seq_id, None)
-        for seq in aborted:
-            self.finish(seq, "abort")
+            self._siblings.pop(seq.seq_id, None)  # a leader's siblings not forked yet
+            self._finish(seq, "abort")
         return aborted

@@ -28,11 +28,16 @@ class Sequence:
         params: SamplingParams,
         choice_index: int = 0,
         arrival_time: float | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.choice_index = choice_index
         self.params = params
+        # Tokens that end the choice ("stop"): its own, and the model's end tokens unless ignored.
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
@@ -42,7 +47,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
         self.num_preemptions = 0
         # Constrained decoding: where the output stands in the request's grammar. A preempted
         # sequence keeps it, as it keeps its output tokens (recompute only rebuilds the KV cache).

@@ -25,9 +25,9 @@ from engine.model.attention.metadata import AttentionMetadata
 from engine.model.cpu.fast_path import prepare_cpu_fast_path
 from engine.model.fast_norms import fuse_rms_norms
 from engine.model.footprint import MemoryFootprint, ParkRecord, activation_estimate
+from engine.model.host_memory import trim_heap
 from engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from engine.model.loader import LoadedModel, cache_root, resolve_dtype
-from engine.model.park.host_memory import trim_heap
 from engine.model.park.weights import WeightParker
 from engine.model.step_batch import StepBatch
 from engine.model.step_context import StepContext

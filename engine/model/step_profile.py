@@ -14,7 +14,7 @@ Spans are paths; a child's time is part of its parent's:
     forward/attention/qkv_gemm  the qkv projection run inside a fused decode attention call (timed
                                 by the C kernel up to its barrier: engine/model/cpu/kernels)
     sample                      Sampler
-    postprocess                 finish_step, token appends, detokenizing, stop checks, deltas
+    postprocess                 detokenizing, update_from_output (appends, stop checks), deltas
 
 The top-level spans follow each other without gaps: together they are the step's wall time. On
 CUDA they are host time: attention synchronises the device while profiling, the others do not (a

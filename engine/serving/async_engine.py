@@ -1,91 +1,48 @@
 """Bridge between the synchronous EngineCore and the asyncio server.
 
-The core (model load, then step() forever) runs in one dedicated thread so the event loop never
-waits on the model: /health and /metrics answer while the model is saturated. Requests, aborts,
-sleep and wake travel to that thread as typed commands (engine.serving.commands) in one deque;
-outputs come back once per step through ``loop.call_soon_threadsafe`` into one asyncio queue per
-request, a sleep's or wake's outcome through its future.
+The core (model load, then step() forever) runs in its own thread (engine.serving.engine_thread)
+so the event loop never waits on the model: /health and /metrics answer while the model is
+saturated. Requests, aborts, sleep and wake travel to that thread as typed commands
+(engine.serving.commands); outputs come back once per step into one asyncio queue per request,
+a sleep's or wake's outcome through its future (engine.serving.sleep_switch). Each request's
+latencies go to the metrics through engine.serving.request_stats.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import copy
-import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.core.sequence import RequestOutput
-from engine.errors import (
-    EngineBusyError,
-    EngineError,
-    InvalidRequestError,
-    ServiceUnavailableError,
-)
-from engine.serving.commands import AbortRequest, AddRequest, EngineCommand, Sleep, WakeUp
+from engine.errors import InvalidRequestError, ServiceUnavailableError
+from engine.serving.commands import AbortRequest, AddRequest, Sleep, WakeUp
+from engine.serving.engine_thread import CoreLike, EngineThread
 from engine.serving.errors import EngineDeadError
 from engine.serving.metrics import EngineMetrics
+from engine.serving.request_stats import RequestStats
 from engine.serving.requests import RequestLimits, longest_token_chars
+from engine.serving.sleep_switch import SleepSwitch
 
 if TYPE_CHECKING:
     from engine.core.engine_core import CompilerStats, GrammarTicket
 
-log = logging.getLogger("engine.async")
 _T = TypeVar("_T")
-
-IDLE_WAIT_S = 0.5  # how long the idle loop sleeps between liveness ticks when nothing arrives
-
-
-class CoreLike(Protocol):
-    """The part of engine.core.engine_core.EngineCore this bridge uses."""
-
-    tokenizer: Any
-    max_model_len: int
-    max_n: int  # choices one request may ask for
-    vocab_size: int
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-    ) -> None: ...
-    def abort(self, request_id: str) -> None: ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished(self) -> bool: ...
-    def stats(self) -> Any: ...
-    def sleep(self) -> None: ...
-    def wake_up(self) -> None: ...
-
-
-@runtime_checkable
-class FootprintSource(Protocol):
-    """A core that measures its memory (EngineCore; test doubles need not)."""
-
-    def footprint(self) -> Any: ...
-
 
 _ADMITTED = object()  # first item of a request's queue once the core accepted it
 
 
 @dataclass
 class _Request:
-    request_id: str
-    queue: asyncio.Queue
-    arrival: float
-    choices: int  # its sequences (n), as the queue bound counts them
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    queue: asyncio.Queue  # _ADMITTED or its error, then its outputs (or an error that ends it)
+    stats: RequestStats
     finished: bool = False
-    finish_reasons: dict[int, str] = field(default_factory=dict)
 
 
 class AsyncEngine:
@@ -97,24 +54,15 @@ class AsyncEngine:
         model_name: str,
         max_queue: int,
     ) -> None:
-        self._core_factory = core_factory
         self._max_queue = max_queue
-        self._commands: collections.deque[EngineCommand] = collections.deque()
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = EngineThread(core_factory, self)
         self._loaded: asyncio.Future | None = None
         self._died: asyncio.Event | None = None
         self._requests: dict[str, _Request] = {}
         self._pending_adds = 0  # sequences sent to the thread and not yet handed to the core
-        self._stats: Any = None  # latest core.stats(), replaced (never mutated) by the thread
-        # latest core.footprint() (after load, sleep, wake), replaced by the thread; None: unknown
-        self.footprint: Any = None
-        # True from the moment a sleep is accepted until a wake has finished: requests get a 503
-        self.sleeping = False
-        self._switching = asyncio.Lock()  # one sleep or wake at a time
-        self._switch_done: Future | None = None  # the latest one's outcome, set by the thread
+        self._switch = SleepSwitch(
+            self._thread.send, lambda: len(self._requests), self.check_loaded
+        )
         self.core: CoreLike | None = None
         # HF tokenizers are not thread-safe: the event loop and the prompt thread (templating and
         # tokenising, which can take seconds for a long prompt) each have their own copy.
@@ -127,7 +75,7 @@ class AsyncEngine:
         self.accepting = True
         self.metrics = EngineMetrics(
             model_name,
-            lambda: self._stats,
+            lambda: self._thread.stats,
             lambda: self._pending_adds,
             footprint=lambda: self.footprint,
             grammars=self.grammar_stats,
@@ -137,11 +85,10 @@ class AsyncEngine:
 
     def start(self) -> None:
         """Start the engine thread; it loads the model, then runs the step loop."""
-        self._loop = asyncio.get_running_loop()
-        self._loaded = self._loop.create_future()
+        loop = asyncio.get_running_loop()
+        self._loaded = loop.create_future()
         self._died = asyncio.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._thread.start(loop)
 
     async def wait_loaded(self) -> None:
         """Return once the model is loaded; re-raise the load error if loading failed."""
@@ -157,13 +104,22 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        alive = self._thread is not None and self._thread.is_alive()
         ready = self.dead is None and self.accepting and not self.sleeping
-        return self.core is not None and alive and ready
+        return self.core is not None and self._thread.is_alive() and ready
 
     @property
     def is_alive(self) -> bool:
-        return self.dead is None and (self._thread is None or self._thread.is_alive())
+        return self.dead is None and (not self._thread.started or self._thread.is_alive())
+
+    @property
+    def sleeping(self) -> bool:
+        """From the moment a sleep is accepted until a wake has finished."""
+        return self._switch.sleeping
+
+    @property
+    def footprint(self) -> Any:
+        """The core's latest memory footprint (after load, sleep, wake); None: unknown."""
+        return self._thread.footprint
 
     @property
     def num_in_flight(self) -> int:
@@ -177,7 +133,8 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        waiting = self._stats.num_waiting if self._stats is not None else 0
+        stats = self._thread.stats
+        waiting = stats.num_waiting if stats is not None else 0
         return waiting + self._pending_adds
 
     async def drain(self, timeout: float) -> None:
@@ -194,22 +151,20 @@ class AsyncEngine:
         for request_id, request in list(self._requests.items()):
             if not request.finished:
                 request.finished = True
-                self._send(AbortRequest(request_id))
-                self.metrics.observe_finished("abort", now - request.arrival)
+                self._thread.send(AbortRequest(request_id))
+                request.stats.aborted(now)
             request.queue.put_nowait(failure)
 
     async def shutdown(self) -> None:
         """Abort what is still running and stop the thread."""
         for request_id in list(self._requests):
-            self._send(AbortRequest(request_id))
-        self._stop = True
-        self._wake.set()
+            self._thread.send(AbortRequest(request_id))
+        self._thread.stop()
         self._prompt_thread.shutdown(wait=False, cancel_futures=True)
         compiler = getattr(self.core, "grammars", None)
         if compiler is not None:
             compiler.shutdown()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+        await self._thread.join(30.0)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -241,10 +196,7 @@ class AsyncEngine:
 
     def check_awake(self) -> None:
         """Raise a 503 while the engine sleeps (or is falling asleep or waking)."""
-        if self.sleeping:
-            raise ServiceUnavailableError(
-                "engine is sleeping: POST /wake_up first", code="engine_sleeping"
-            )
+        self._switch.check_awake()
 
     # ---- sleep and wake ----------------------------------------------------------------------
 
@@ -252,39 +204,11 @@ class AsyncEngine:
         """Release the model's weights and KV cache (engine.core.engine_core.EngineCore.sleep)
         and return once done; a no-op when asleep. EngineBusyError (409) while any request is in
         flight or queued: the caller drains first."""
-        await self._switch(Sleep)
+        await self._switch.switch(Sleep)
 
     async def wake_up(self) -> None:
         """Bring weights and KV cache back and return once done; a no-op when awake."""
-        await self._switch(WakeUp)
-
-    async def _switch(self, command: type[Sleep] | type[WakeUp]) -> None:
-        # A task of its own: a client that disconnects does not interrupt the switch (the thread
-        # runs it anyway), and the lock stays held until the thread has finished it.
-        await asyncio.shield(asyncio.ensure_future(self._run_switch(command)))
-
-    async def _run_switch(self, command: type[Sleep] | type[WakeUp]) -> None:
-        self.check_loaded()
-        asleep = command is Sleep
-        async with self._switching:
-            if self.sleeping == asleep:
-                return
-            if asleep and self._requests:
-                count = len(self._requests)
-                raise EngineBusyError(
-                    f"cannot sleep with {count} request{'s' * (count != 1)} in flight or queued: "
-                    "drain the engine first"
-                )
-            self.sleeping = True  # from here new requests get a 503, until a wake has finished
-            done: Future = Future()
-            self._switch_done = done
-            self._send(command(done))
-            try:
-                await asyncio.wrap_future(done)
-            except BaseException:
-                self.sleeping = not asleep  # a failed sleep leaves it awake, a failed wake asleep
-                raise
-            self.sleeping = asleep
+        await self._switch.switch(WakeUp)
 
     async def on_prompt_thread(self, work: Callable[[Any], _T]) -> _T:
         """``work(tokenizer)`` on the prompt thread, with that thread's own tokenizer copy: chat
@@ -327,10 +251,11 @@ class AsyncEngine:
         """Submit a request; on entry it is admitted (admission errors raise here), the yielded
         iterator gives its RequestOutput deltas, and leaving early (client gone) aborts it."""
         self.check_accepting(params.n)
-        request = _Request(request_id, asyncio.Queue(), time.monotonic(), params.n)
+        stats = RequestStats(self.metrics, time.monotonic())
+        request = _Request(asyncio.Queue(), stats)
         self._requests[request_id] = request
         self._pending_adds += params.n
-        self._send(AddRequest(request_id, prompt_token_ids, params, request.arrival))
+        self._thread.send(AddRequest(request_id, prompt_token_ids, params, stats.arrival))
         try:
             first = await request.queue.get()
             if isinstance(first, BaseException):
@@ -340,8 +265,8 @@ class AsyncEngine:
         finally:
             self._requests.pop(request_id, None)
             if not request.finished:
-                self._send(AbortRequest(request_id))
-                self.metrics.observe_finished("abort", time.monotonic() - request.arrival)
+                self._thread.send(AbortRequest(request_id))
+                request.stats.aborted(time.monotonic())
 
     async def _outputs(self, request: _Request) -> AsyncIterator[RequestOutput]:
         while True:
@@ -352,22 +277,32 @@ class AsyncEngine:
             if item.finished:
                 return
 
-    def _send(self, command: EngineCommand) -> None:
-        self._commands.append(command)
-        self._wake.set()
+    # ---- what the engine thread reports (engine.serving.engine_thread.Listener) ------------
 
-    # ---- event-loop side of the thread's results -----------------------------------------
+    def adopt(self, core: CoreLike) -> None:
+        """On the engine thread, once the core has loaded: what serving needs of it."""
+        self.tokenizer = copy.deepcopy(core.tokenizer)
+        self._prompt_tokenizer = copy.deepcopy(core.tokenizer)
+        self.max_model_len = core.max_model_len
+        self._limits = RequestLimits(
+            max_model_len=core.max_model_len,
+            max_n=min(core.max_n, self._max_queue),
+            vocab_size=core.vocab_size,
+            longest_token_chars=longest_token_chars(core.tokenizer),
+        )
+        self.core = core
 
-    def _on_loaded(self, error: BaseException | None) -> None:
+    def on_loaded(self, error: BaseException | None) -> None:
         assert self._loaded is not None
         if self._loaded.done():
             return
         if error is None:
             self._loaded.set_result(None)
         else:
+            self.dead = error
             self._loaded.set_exception(error)
 
-    def _on_admission(self, request_id: str, choices: int, error: BaseException | None) -> None:
+    def on_admission(self, request_id: str, choices: int, error: BaseException | None) -> None:
         self._pending_adds -= choices
         request = self._requests.get(request_id)
         if request is None:
@@ -376,151 +311,30 @@ class AsyncEngine:
             request.finished = True  # never entered the core: nothing to abort
         request.queue.put_nowait(error if error is not None else _ADMITTED)
 
-    def _on_outputs(self, outputs: list[RequestOutput], step_end: float) -> None:
+    def on_outputs(self, outputs: list[RequestOutput], step_end: float) -> None:
         for out in outputs:
             request = self._requests.get(out.request_id)
             if request is None:  # client already gone; its abort is on the way
                 continue
             if out.error is not None:  # ended by the core: the client gets the error
                 request.finished = True
-                self.metrics.observe_finished("abort", step_end - request.arrival)
+                request.stats.aborted(step_end)
                 request.queue.put_nowait(out.error)
                 continue
-            self._observe(request, out, step_end)
+            request.stats.observe(out, step_end)
             if out.finished:
                 request.finished = True
             request.queue.put_nowait(out)
 
-    def _observe(self, request: _Request, out: RequestOutput, now: float) -> None:
-        if out.queue_time_s is not None:
-            self.metrics.observe_queue_time(out.queue_time_s)
-        if any(c.token_ids for c in out.outputs):
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self.metrics.observe_first_token(now - request.arrival)
-            else:
-                self.metrics.observe_inter_token(now - (request.last_token_time or now))
-            request.last_token_time = now
-        for choice in out.outputs:
-            if choice.finish_reason is not None:
-                request.finish_reasons[choice.index] = choice.finish_reason
-        if out.finished:
-            reason = request.finish_reasons.get(0) or next(iter(request.finish_reasons.values()))
-            self.metrics.observe_finished(reason, now - request.arrival)
-
-    def _on_dead(self, error: BaseException) -> None:
+    def on_dead(self, error: BaseException) -> None:
         self.dead = error
         failure = EngineDeadError(f"engine loop failed: {type(error).__name__}: {error}")
         for request in self._requests.values():
             request.finished = True
             request.queue.put_nowait(failure)
-        if self._switch_done is not None and not self._switch_done.done():
-            self._switch_done.set_exception(failure)
+        self._switch.fail(failure)
         assert self._died is not None
         self._died.set()
-
-    # ---- engine thread -----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        try:
-            core = self._core_factory()
-            self.tokenizer = copy.deepcopy(core.tokenizer)
-            self._prompt_tokenizer = copy.deepcopy(core.tokenizer)
-            self.max_model_len = core.max_model_len
-            self._limits = RequestLimits(
-                max_model_len=core.max_model_len,
-                max_n=min(core.max_n, self._max_queue),
-                vocab_size=core.vocab_size,
-                longest_token_chars=longest_token_chars(core.tokenizer),
-            )
-            self._stats = core.stats()
-            self._publish_footprint(core)
-        except BaseException as error:  # report any load failure to the waiting main task
-            self.dead = error
-            loop.call_soon_threadsafe(self._on_loaded, error)
-            return
-        self.core = core
-        loop.call_soon_threadsafe(self._on_loaded, None)
-        try:
-            self._step_loop(core, loop)
-        except BaseException as error:
-            log.exception("engine loop crashed")
-            loop.call_soon_threadsafe(self._on_dead, error)
-
-    def _step_loop(self, core: CoreLike, loop: asyncio.AbstractEventLoop) -> None:
-        live: set[str] = set()  # requests inside the core (aborting others is a no-op)
-        while not self._stop:
-            self._wake.clear()
-            self._apply_commands(core, loop, live)
-            if not core.has_unfinished():
-                self._stats = core.stats()
-                self._wake.wait(IDLE_WAIT_S)
-                continue
-            outputs = core.step()
-            step_end = time.monotonic()
-            for out in outputs:
-                if out.finished:
-                    live.discard(out.request_id)
-            self._stats = core.stats()
-            if outputs:
-                loop.call_soon_threadsafe(self._on_outputs, outputs, step_end)
-
-    def _apply_commands(
-        self, core: CoreLike, loop: asyncio.AbstractEventLoop, live: set[str]
-    ) -> None:
-        admitted: list[tuple[str, int, EngineError | None]] = []
-        while self._commands:
-            command = self._commands.popleft()
-            if isinstance(command, AddRequest):
-                request_id, choices = command.request_id, command.params.n
-                try:
-                    core.add_request(
-                        request_id,
-                        command.prompt_token_ids,
-                        command.params,
-                        arrival_time=command.arrival,
-                    )
-                except EngineError as error:
-                    admitted.append((request_id, choices, error))
-                    continue
-                live.add(request_id)
-                admitted.append((request_id, choices, None))
-            elif isinstance(command, AbortRequest):
-                if command.request_id in live:
-                    core.abort(command.request_id)
-                    live.discard(command.request_id)
-            else:
-                self._apply_switch(core, command)
-        if admitted:
-            # Publish the core's new waiting count before the event loop stops counting these
-            # requests as pending, so load shedding always counts them in one of the two.
-            self._stats = core.stats()
-            for request_id, choices, error in admitted:
-                loop.call_soon_threadsafe(self._on_admission, request_id, choices, error)
-
-    def _apply_switch(self, core: CoreLike, command: Sleep | WakeUp) -> None:
-        failure: Exception | None = None
-        try:
-            if isinstance(command, Sleep):
-                core.sleep()
-            else:
-                core.wake_up()
-        except Exception as error:  # the caller's answer; the loop goes on
-            if not isinstance(error, EngineError):
-                log.exception("%s failed", type(command).__name__)
-            failure = error
-        self._stats = core.stats()
-        self._publish_footprint(core)
-        if failure is None:
-            command.done.set_result(None)
-        else:
-            command.done.set_exception(failure)
-
-    def _publish_footprint(self, core: CoreLike) -> None:
-        if isinstance(core, FootprintSource):
-            self.footprint = core.footprint()
 
 
 @contextmanager

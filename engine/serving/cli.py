@@ -190,7 +190,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptio
         config = EngineConfig(
             model=args.model,
             gguf_file=args.gguf_file,
-            served_model_names=args.served_model_name or [],
             dtype=args.dtype,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
@@ -215,6 +214,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptio
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
     options = ServerOptions(
+        args.served_model_name or [args.model],
         args.host,
         args.port,
         args.max_body_bytes,

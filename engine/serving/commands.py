@@ -1,5 +1,5 @@
-"""What the event loop asks of the engine thread (engine.serving.async_engine), as typed values in
-one queue: the thread applies them in order between two steps."""
+"""What the event loop asks of the engine thread (engine.serving.engine_thread), as typed values
+in one queue: the thread applies them in order between two steps."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What the command line tells the server process beyond EngineConfig: where to listen, how long
-to drain, and the HTTP limits."""
+"""What the command line tells the server process beyond EngineConfig: the names it serves the
+model under, where to listen, how long to drain, and the HTTP limits."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from common.http_server import ClientLimits
 
 @dataclass
 class ServerOptions:
+    served_model_names: list[str]  # what clients put in "model"; the first names it in metrics
     host: str
     port: int
     max_body_bytes: int

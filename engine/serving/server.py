@@ -51,10 +51,10 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
     from engine.core.engine_core import EngineCore  # imports torch: only in the serving process
 
     engine = AsyncEngine(
-        lambda: EngineCore(config), config.served_model_names[0], max_queue=config.max_queue
+        lambda: EngineCore(config), options.served_model_names[0], max_queue=config.max_queue
     )
     settings = ServerSettings(
-        config.served_model_names,
+        options.served_model_names,
         options.max_body_bytes,
         max_header_bytes=options.max_header_bytes,
         client_limits=options.client_limits,
@@ -73,7 +73,7 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
         "listening on http://%s:%d (served names: %s)",
         host,
         port,
-        ", ".join(config.served_model_names),
+        ", ".join(options.served_model_names),
     )
 
     stop = asyncio.Event()

@@ -3,30 +3,10 @@ the event loop from the engine thread's latest footprint and this process's /pro
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import asdict
 from typing import Any
 
-
-def rss_bytes() -> int | None:
-    """Resident set size now (/proc/self/statm; None where there is no /proc)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * mmap.PAGESIZE
-    except OSError:
-        return None
-
-
-def peak_rss_bytes() -> int | None:
-    """The largest resident set size so far (VmHWM of /proc/self/status)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+from common.processes import peak_rss_bytes, rss_bytes
 
 
 def structured_memory(grammars: Any) -> dict[str, int]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import mmap
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from common import processes
 from engine.structured.wire import FrameReader, ReadCancelled, ReadTimeout, encode
 
 log = logging.getLogger("engine.structured")
@@ -181,10 +181,4 @@ class WorkerProcess:
         """The process's resident memory now (0 when none runs)."""
         with self._lock:
             pid = self._proc.pid if self._proc is not None else None
-        if pid is None:
-            return 0
-        try:
-            with open(f"/proc/{pid}/statm") as statm:
-                return int(statm.read().split()[1]) * mmap.PAGESIZE
-        except (OSError, IndexError, ValueError):
-            return 0
+        return (processes.rss_bytes(pid) or 0) if pid is not None else 0

@@ -28,8 +28,8 @@ class Proxy:
         health: HealthMonitor,
         metrics: GatewayMetrics,
         retries: RetrySettings,
-        hold: Hold | None = None,
-        engine_crashed: CrashCheck | None = None,
+        hold: Hold,
+        engine_crashed: CrashCheck,
     ) -> None:
         self.hold = hold  # waits for a local model's replica (gateway.residency)
         self.health = health

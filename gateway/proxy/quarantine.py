@@ -76,9 +76,9 @@ class Signatures:
 class Quarantine:
     """The proxy's memory of suspect and poison requests, and the probation of suspects."""
 
-    def __init__(self, metrics: GatewayMetrics, engine_crashed: CrashCheck | None = None) -> None:
+    def __init__(self, metrics: GatewayMetrics, engine_crashed: CrashCheck) -> None:
         self.metrics = metrics
-        self.engine_crashed = engine_crashed  # None: no local engines, no crash to see
+        self.engine_crashed = engine_crashed
         self.suspects = Signatures()
         self.poison = Signatures()
         self._probation: dict[str, asyncio.Lock] = {}  # per model
@@ -120,7 +120,7 @@ class Quarantine:
         """After ``ex``'s connection to ``backend`` dropped: None unless its engine crashed, else
         the failure to answer or retry it with: a suspect's ``engine_crashed`` (retryable), or, if
         it was on probation already, ``request_crashed_engine`` (final; it is poison now)."""
-        if self.engine_crashed is None or not await self.engine_crashed(backend):
+        if not await self.engine_crashed(backend):
             return None
         signature = ex.digest()
         poison = ex.probation is not None  # its second crash, and the first with no other suspect

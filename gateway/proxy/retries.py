@@ -36,7 +36,7 @@ T = TypeVar("T")
 Attempt = Callable[[Exchange, Backend], Awaitable[T]]  # one try on one backend
 # Waits while the route's model has no replica up (loading, waking, restarting) besides the ones
 # tried, or raises the UpstreamFailure the client gets; returns at once when there is nothing to
-# wait for.
+# wait for (a model that is not local among them).
 Hold = Callable[[ModelRoute, Collection[Backend]], Awaitable[None]]
 MAX_WAKE_WAITS = 3  # sleeping answers one request waits through (a park storm, not a parked model)
 
@@ -48,7 +48,7 @@ class Retrier:
         health: HealthMonitor,
         metrics: GatewayMetrics,
         quarantine: Quarantine,
-        hold: Hold | None = None,
+        hold: Hold,
     ) -> None:
         self.settings = settings
         self.quarantine = quarantine
@@ -112,7 +112,7 @@ class Retrier:
         """An available replica not tried yet, after holding the request while one is coming;
         raises what the client gets when there is none."""
         backend = ex.route.pick(tried, ex.affinity_key)
-        if backend is None and self.hold is not None:
+        if backend is None:
             await self.hold(ex.route, tried)  # a replica loading or restarting: wait for it
             backend = ex.route.pick(tried, ex.affinity_key)
         if backend is None:

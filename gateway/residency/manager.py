@@ -3,9 +3,12 @@
 must load; requests wait for it in its hold line (hold.py), which also covers a model whose
 replicas are restarting after a crash.
 
-It drives the engine pool (``activate`` / ``park`` / ``deactivate``) and hears every replica
-transition from it (``on_transition``), which releases held requests, measures footprints and
-keeps the metrics in step.
+Every eviction (to make room, after the idle TTL, or an operator's park or unload) goes through
+``evict``, which counts it and drives the engine pool (``put_to_sleep`` or ``deactivate``; loads
+``activate``). The manager hears every replica transition from the pool (``on_transition``),
+which releases held requests, measures footprints and keeps the metrics in step. A fleet without
+local models has one too, managing no model: its hold hook returns at once, and a reload that adds
+local models finds it there.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from dataclasses import dataclass, field
 
 from gateway.backend import Backend
 from gateway.config import FleetConfig, MemoryBudget, ModelConfig
-from gateway.engine_process import has_exited
+from gateway.engines.pool import EnginePool
+from gateway.engines.process import has_exited
+from gateway.engines.replica import Replica, ReplicaState
 from gateway.metrics import GatewayMetrics
-from gateway.pool import EnginePool
 from gateway.proxy.failures import UpstreamFailure
-from gateway.replica import Replica, ReplicaState
 from gateway.residency.footprint import Footprint, estimate, machine_ram_bytes, measured_bytes
 from gateway.residency.hold import HoldLine, refusal
 from gateway.residency.plan import Eviction, Need, Resident, plan_room
@@ -259,7 +262,7 @@ class ResidencyManager:
             async with self._placement:
                 evictions = self._plan(name)
                 for eviction in evictions or ():
-                    await self._evict(eviction, "memory")
+                    await self.evict(eviction, "memory")
                 if evictions == []:
                     res.reserved = True
                     return True
@@ -321,28 +324,25 @@ class ResidencyManager:
             and all(s in (S.READY, S.PARKED) for s in states)
         )
 
-    async def _evict(self, eviction: Eviction, reason: str) -> None:
+    # ---- evictions and operator actions ----
+
+    async def evict(self, eviction: Eviction, reason: str) -> None:
+        """Parks or stops a model to make room (``memory``), after its idle TTL (``idle``) or for
+        an operator (``operator``), counted in the evictions metric."""
         log.info("model %s: %s (%s)", eviction.name, eviction.action, reason)
         self.metrics.child(self.metrics.evictions, eviction.name, eviction.action, reason).inc()
         if eviction.action == "park":
-            await self.pool.park(eviction.name)
+            await self.pool.put_to_sleep(eviction.name)
         else:
             await self.pool.deactivate(eviction.name)
-
-    # ---- operator actions ----
-
-    async def park(self, name: str) -> bool:
-        self.metrics.child(self.metrics.evictions, name, "park", "operator").inc()
-        return await self.pool.park(name)
 
     async def unload(self, name: str) -> None:
         """Stops ``name``. The requests held for it are answered 503 ``model_unloaded``, and a
         load it interrupts is no failure (``_load``); a later request loads it again."""
-        self.metrics.child(self.metrics.evictions, name, "stop", "operator").inc()
         res = self.models[name]
         res.unloads += 1
         res.hold.refuse(lambda: self._unloaded(name))
-        await self.pool.deactivate(name)
+        await self.evict(Eviction(name, "stop"), "operator")
 
     # ---- idle TTL ----
 
@@ -356,7 +356,7 @@ class ResidencyManager:
                     continue
                 states = self.pool.states(name)
                 if S.READY in states and self._evictable(name, states):
-                    await self._evict(Eviction(name, self._idle_action(name)), "idle")
+                    await self.evict(Eviction(name, self._idle_action(name)), "idle")
 
     def _idle_action(self, name: str) -> str:
         """Park while everything resident fits with it parked; stop otherwise."""

@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from common.processes import cpu_seconds, descendants
 from scripts.attacks.constrained import send_constrained, sent_figures
 from scripts.attacks.context import Ctx
-from scripts.attacks.procfs import cpu_seconds, descendants
 from scripts.attacks.raw_http import CHAT
-from tests.fuzz.constraints import Constraint, anyof_objects, counted_regex, pattern_properties
+from scripts.fuzzer.constraints import Constraint, anyof_objects, counted_regex, pattern_properties
 
 TINY = Constraint("json_schema", {"type": "boolean", "title": "h2"})  # compiled here first
 TINY_TIMEOUT_S = 30.0

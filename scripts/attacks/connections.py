@@ -5,6 +5,7 @@ keep sending requests."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import multiprocessing
 import selectors
@@ -14,14 +15,16 @@ from collections import Counter
 from typing import Any
 from urllib.parse import urlsplit
 
+from common.http_server import raise_fd_limit
+from common.processes import fd_limit, open_fds
 from scripts.attacks.context import ATTACK_CAP_S, Ctx
-from scripts.attacks.procfs import fd_limit, open_fds, raise_nofile
 from scripts.attacks.raw_http import ATTACKER_ADDRESS, CHAT, Answer, http_request
 from scripts.attacks.victim import VICTIM_BODY, finished, overlapping, probe_stats
 
 IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)  # Linux: port at connect
 CONNECT_WAIT_S = 15.0  # covers SYN retransmits (1 s, 3 s, 7 s) when the accept queue is full
 FD_RESERVE = 64
+log = logging.getLogger("bench_attacks.connections")
 CONNECT_BATCH = 500  # below the gateway's listen backlog (2048)
 
 
@@ -40,7 +43,7 @@ def hold_connections(host: str, port: int, count: int, server_pid: int, conn: An
     the server accepts them, report, hold them until told, report what the server did to them,
     close. Paced by batches: past a full accept queue the kernel completes connections that the
     server never sees (SYN cookies), which would hold no server file."""
-    limit = raise_nofile()
+    limit = raise_fd_limit(log)
     socks: list[socket.socket] = []
     error = None
     try:
@@ -112,7 +115,7 @@ async def half_open(ctx: Ctx) -> dict[str, Any]:
     """--connections silent connections to the gateway, held --hold-s."""
     t0 = time.monotonic()
     total = ctx.args.connections
-    per_process = raise_nofile() - FD_RESERVE
+    per_process = raise_fd_limit(log) - FD_RESERVE
     holders = max(1, math.ceil(total / per_process))
     shares = [total // holders + (i < total % holders) for i in range(holders)]
     mp = multiprocessing.get_context("spawn")

@@ -1,6 +1,7 @@
 """What the constraint attacks (issue 29) share: a constrained request (its body from
-tests/fuzz/constraints.py) sent through the gateway, each 200's output judged against its
-constraint by an independent validator (tests/fuzz/output_check.py), and the answers summed up."""
+scripts/fuzzer/constraints.py) sent through the gateway, each 200's output judged against its
+constraint by an independent validator (scripts/fuzzer/output_check.py), and the answers summed
+up."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 from scripts.attacks.context import Ctx
 from scripts.attacks.fleet import MODEL
 from scripts.attacks.raw_http import Answer, http_request
-from tests.fuzz.constraints import Constraint, constrained_body
-from tests.fuzz.output_check import check, outputs
+from scripts.fuzzer.constraints import Constraint, constrained_body
+from scripts.fuzzer.output_check import check, outputs
 
 
 @dataclass

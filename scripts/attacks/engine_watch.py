@@ -9,8 +9,8 @@ import asyncio
 import contextlib
 from typing import Any
 
+from common.processes import alive
 from scripts.attacks.fleet import Fleet
-from scripts.attacks.procfs import proc_alive
 
 WATCH_EVERY_S = 0.5
 STATES_SHOWN = 16
@@ -54,7 +54,7 @@ def engine_figures(
 ) -> dict[str, Any]:
     counted = None not in (after["restarts"], before["restarts"])
     return {
-        "engine_alive_end": after["pid"] is not None and proc_alive(after["pid"]),
+        "engine_alive_end": after["pid"] is not None and alive(after["pid"]),
         "engine_pid_changed": after["pid"] != before["pid"],
         "engine_pids_seen": len(pids),
         "gateway_restarts": after["restarts"] - before["restarts"] if counted else None,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common.net import free_port
-from scripts.attacks.procfs import children, find_engine_pid, proc_alive, proc_cmdline
+from common.processes import alive, children, cmdline, descendants, stop_process
 
 MODEL = "smollm2"
 ON_DEMAND_MODEL = "smollm2-od"  # the same GGUF, loaded only when an attack asks for it
@@ -45,6 +45,15 @@ def checkout_state(repo: Path) -> dict[str, Any]:
 
     changed = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": git("rev-parse", "--short", "HEAD"), "changed_files": len(changed.split())}
+
+
+def find_engine_pid(gateway_pid: int, port: int) -> int | None:
+    """The engine listening on ``port``: a descendant of the gateway (its launcher execs it)."""
+    for pid in descendants(gateway_pid):
+        cmd = cmdline(pid)
+        if "engine" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == str(port):
+            return pid
+    return None
 
 
 class Fleet:
@@ -227,17 +236,12 @@ class Fleet:
         """SIGTERM to the gateway (it stops its engines); then any engine still there, by PID."""
         if self.proc is None:
             return {}
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc, 60)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(map(proc_alive, self.engine_pids_seen)):
+        while time.monotonic() < deadline and any(map(alive, self.engine_pids_seen)):
             time.sleep(0.2)
-        left = [pid for pid in self.engine_pids_seen if proc_alive(pid)]
+        left = [pid for pid in self.engine_pids_seen if alive(pid)]
         for pid in left:
-            if "engine" in proc_cmdline(pid):
+            if "engine" in cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
         return {"gateway_exit_code": self.proc.returncode, "engines_left_and_killed": left}

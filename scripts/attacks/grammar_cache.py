@@ -8,11 +8,11 @@ import asyncio
 import time
 from typing import Any
 
+from common.processes import TreeRss
 from scripts.attacks.constrained import send_constrained, sent_figures
 from scripts.attacks.context import ATTACK_CAP_S, Ctx
-from scripts.attacks.procfs import TreeRss
 from scripts.attacks.raw_http import CHAT
-from tests.fuzz.constraints import Constraint, counted_regex
+from scripts.fuzzer.constraints import Constraint, counted_regex
 
 REGEXES = 40
 REGEX_TIMEOUT_S = 60.0
@@ -20,8 +20,8 @@ SENDS_CAP_S = ATTACK_CAP_S - 60  # room for the answers to come in within the at
 
 
 def rss_mb(pid: int | None) -> float | None:
-    kb = TreeRss().kb(pid) if pid else None
-    return round(kb / 1024, 1) if kb is not None else None
+    rss = TreeRss().rss_bytes(pid) if pid else None
+    return round(rss / 2**20, 1) if rss is not None else None
 
 
 async def regex_cache(ctx: Ctx) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from scripts.attacks.constrained import send_constrained, sent_figures
 from scripts.attacks.context import Ctx
 from scripts.attacks.fleet import MODEL
 from scripts.attacks.raw_http import CHAT, COMPLETIONS
-from tests.fuzz.constraints import Constraint, lark_chain, ref_chain, ref_chain_tools
+from scripts.fuzzer.constraints import Constraint, lark_chain, ref_chain, ref_chain_tools
 
 SETTLE_WAIT_S = 90.0  # after the last send: until the model is ready (or failed) again
 

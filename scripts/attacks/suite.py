@@ -29,7 +29,7 @@ from scripts.attacks.residency import park_load_loop, unload_during_load
 from scripts.attacks.rss import RssSampler
 from scripts.attacks.slow import slow_clients
 from scripts.attacks.victim import Victim, finished, overlapping, probe_stats
-from tests.fuzz.structured_cases import tiny_schema_request
+from scripts.fuzzer.structured_cases import tiny_schema_request
 
 SETTLE_CAP_S = 180.0  # a crash loop's end, or an unload and a cold load
 PROBE_TIMEOUT_S = 15.0

@@ -4,13 +4,11 @@ bench_serving's client, with the server process's resident memory sampled while 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from scripts.attacks.procfs import vm_rss_kb
-from scripts.attacks.rss import RssSampler
+from common.processes import peak_rss_bytes, rss_bytes
+from scripts.attacks.rss import MIB, RssSampler
 from scripts.serving.client import Client, run_concurrency
 from scripts.serving.workload import build_workload, tagged
 
@@ -35,15 +33,6 @@ class _OneProcess:
 
     def pids(self) -> dict[str, int]:
         return self._pids
-
-
-def vm_hwm_mb(pid: int) -> float | None:
-    """The process's peak resident set so far (VmHWM), in MiB."""
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return None
 
 
 def cell_specs(
@@ -72,11 +61,12 @@ class CellRunner:
         t0 = time.monotonic()
         run = asyncio.run(self._run(specs, concurrency, max_seconds))
         t1 = time.monotonic()
-        end_kb = vm_rss_kb(self.target.pid)  # a cell shorter than the sampling period has it
-        peaks = [self.sampler.figures(ROLE, t0, t1)["peak_mb"], end_kb and end_kb / 1024]
+        end = rss_bytes(self.target.pid)  # a cell shorter than the sampling period has it
+        peaks = [self.sampler.figures(ROLE, t0, t1)["peak_mb"], end and end / MIB]
         run["failed"] = run["errors"]  # unfinished_at_deadline: cut by --max-seconds, not failed
         run["rss_peak_mb"] = max((round(p, 1) for p in peaks if p), default=None)
-        run["vm_hwm_mb"] = vm_hwm_mb(self.target.pid)
+        peak = peak_rss_bytes(self.target.pid)
+        run["vm_hwm_mb"] = round(peak / MIB, 1) if peak is not None else None
         return run
 
     def _run(self, specs: list, concurrency: int, max_seconds: float):

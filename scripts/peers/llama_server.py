@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common.net import free_port
+from common.processes import stop_process
 from engine.model.cpu.openmp_env import configure
 
 
@@ -107,13 +108,7 @@ class LlamaServer:
         raise TimeoutError(f"llama-server not ready after {timeout} s")
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 30)
         self._log.close()
         return self.proc.returncode
 

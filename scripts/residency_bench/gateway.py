@@ -16,7 +16,7 @@ import aiohttp
 import yaml
 
 from common.net import free_port
-from scripts.attacks.procfs import children, proc_alive
+from common.processes import alive, children, cmdline, rss_bytes, stop_process
 from scripts.residency_bench.summary import Samples, parse_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,11 +59,8 @@ def models_yaml(
 
 
 def _is_engine(pid: int) -> bool:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"engine" in argv and b"--served-model-name" in argv
+    argv = cmdline(pid)
+    return "engine" in argv and "--served-model-name" in argv
 
 
 class Gateway:
@@ -154,12 +151,7 @@ class Gateway:
 
     def engine_rss(self) -> int:
         """The summed resident set of this gateway's engines now (/proc), whatever it plans."""
-        total = 0
-        for pid in set(children(self.proc.pid)):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-                total += pages * os.sysconf("SC_PAGE_SIZE")
-        return total
+        return sum(rss_bytes(pid) or 0 for pid in set(children(self.proc.pid)))
 
     async def timeline(self, started: float, interval: float, limit: int) -> list[dict[str, Any]]:
         """Samples every ``interval`` s (at most ``limit``) until cancelled: each model's state
@@ -201,18 +193,10 @@ class Gateway:
             self.engine_pids |= set(children(self.proc.pid))
         if self.session is not None:
             await self.session.close()
-        killed = False
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(self.proc.wait, STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                await asyncio.to_thread(self.proc.wait, 10)
-                killed = True
+        killed = await asyncio.to_thread(stop_process, self.proc, STOP_TIMEOUT_S)
         self._log.close()
         await asyncio.sleep(0.5)  # engines die with the gateway (PDEATHSIG) at the latest
-        left = sorted(p for p in self.engine_pids if proc_alive(p) and _is_engine(p))
+        left = sorted(p for p in self.engine_pids if alive(p) and _is_engine(p))
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

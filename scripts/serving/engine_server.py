@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 from common.net import free_port
+from common.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,12 +48,6 @@ class EngineServer:
         raise TimeoutError(f"engine not ready after {timeout} s")
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 60)
         self._log.close()
         return self.proc.returncode

@@ -1,4 +1,4 @@
-"""The gateway's engine command (common/engine_args.py, via gateway/pool.py) parsed by the
+"""The gateway's engine command (common/engine_args.py, via gateway/engines/pool.py) parsed by the
 engine's own parser: every flag the gateway sets exists there and means what it meant."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 from engine.model.cpu.openmp_env import configure
 from engine.serving.cli import build_parser
 from gateway.config import ModelConfig
-from gateway.pool import engine_command
+from gateway.engines.process import engine_command
 
 MODEL = ModelConfig(
     name="smollm2",

@@ -1,5 +1,5 @@
 """A simulated runner that drives the Scheduler exactly as EngineCore does (schedule -> copy blocks
--> forward -> finish_step -> sample -> finish) and checks the step contract on every step. Its
+-> forward -> sample -> update_from_output) and checks the step contract on every step. Its
 "model" writes a fingerprint of each position's token prefix into a fake K/V pool and picks the
 next token from the sequence's tokens, so every request's output can be checked against an
 independent reference computed without any scheduling."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.core.blocks import BlockManager
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import SampledToken, Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
 from tests.engine.test_blocks import FakeKVCache
 
@@ -47,7 +47,7 @@ class SimulatedEngine:
             block_size=block_size,
         )
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.sched = Scheduler(self.config, self.bm)
+        self.sched = Scheduler(self.config, self.bm, self.config.max_model_len)
         self.kv = FakeKVCache(num_blocks, block_size)
         self.groups: dict[str, list[Sequence]] = {}
         self.finished_at: dict[str, int] = {}
@@ -70,25 +70,37 @@ class SimulatedEngine:
         self.steps += 1
         self._check_schedule(out)
         self.kv.apply_copies(out.copy_ops)
-        rows: list[Sequence] = []
+        rows: list[Sequence] = []  # the forward's logits rows
         for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
             self.kv.write(seq, num_new)
             if seq.num_computed_tokens + num_new == seq.num_tokens:
                 rows.append(seq)
         for seq in rows:  # the forward attends over the whole context of every sampled row
             self.kv.check(seq, seq.num_tokens)
-        to_sample = self.sched.finish_step(out)
-        assert {row for _, row in to_sample} == set(range(len(rows))), "every row is sampled"
-        for seq, row in to_sample:
+        assert sorted(set(out.logits_rows)) == list(range(len(rows))), "every row is sampled"
+        for seq, row in zip(out.to_sample, out.logits_rows, strict=True):
             source = rows[row]
-            assert seq is source or (seq.request_id == source.request_id and seq.block_table)
-            assert seq.num_computed_tokens == seq.num_tokens, "sampled before its context is in"
-            seq.append_token(next_token(seq.token_ids, seq.choice_index))
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                self.sched.finish(seq, "length")
-                if all(s.is_finished for s in self.groups[seq.request_id]):
-                    self.finished_at[seq.request_id] = self.steps
+            assert seq is source or (seq.request_id == source.request_id and seq not in rows)
+        sampled = self.sample(out)
+        update = self.sched.update_from_output(out, sampled)
+        assert update.appended == sampled and not update.refused
+        for seq in out.to_sample:
+            assert seq.num_computed_tokens == seq.num_tokens - 1, "sampled before its context"
+            assert (
+                seq.is_finished or len(seq.block_table) * self.bm.block_size >= seq.num_tokens - 1
+            )
+        for seq in update.finished:
+            assert seq.finish_reason == "length" and seq.block_table == []
+            if all(s.is_finished for s in self.groups[seq.request_id]):
+                self.finished_at[seq.request_id] = self.steps
         return out
+
+    def sample(self, out: SchedulerOutput) -> list[SampledToken]:
+        """The fake model's next token for every sequence the step samples."""
+        return [
+            SampledToken(seq, next_token(seq.token_ids, seq.choice_index), None, "", None)
+            for seq in out.to_sample
+        ]
 
     def _check_schedule(self, out: SchedulerOutput) -> None:
         cfg = self.config
@@ -121,4 +133,4 @@ class SimulatedEngine:
 
     def assert_all_blocks_returned(self) -> None:
         assert self.bm.num_free_blocks == self.bm.num_blocks and self.bm.usage == 0.0
-        assert not any(self.bm._ref)
+        assert all(self.bm.pool.ref_count(b) == 0 for b in range(self.bm.num_blocks))

@@ -1,4 +1,5 @@
-"""BlockManager: on-demand allocation, ref counts, prefix caching, LRU eviction, copy-on-write.
+"""BlockManager over its BlockPool: on-demand allocation, ref counts, prefix caching, LRU eviction,
+copy-on-write.
 
 A fake KV pool records, in every slot written, a fingerprint of the token prefix whose K/V a real
 model would store there; checking each sequence's slots against its own tokens catches wrong
@@ -149,9 +150,9 @@ def test_live_blocks_are_shared_by_prefix_hits() -> None:
     prefill(bm, kv, second)
     assert second.block_table[:2] == first.block_table[:2]
     assert second.block_table[2] != first.block_table[2]
-    assert [bm._ref[b] for b in first.block_table] == [2, 2, 1]
+    assert [bm.pool.ref_count(b) for b in first.block_table] == [2, 2, 1]
     bm.free(first)
-    assert [bm._ref[b] for b in second.block_table] == [1, 1, 1]
+    assert [bm.pool.ref_count(b) for b in second.block_table] == [1, 1, 1]
     kv.check(second, 9)
 
 
@@ -213,7 +214,10 @@ def test_copy_on_write_when_forked_sequences_write_a_shared_block() -> None:
     bm.fork(parent, child)
     child.num_computed_tokens = parent.num_computed_tokens
     full, partial = parent.block_table
-    assert child.block_table == [full, partial] and bm._ref[full] == bm._ref[partial] == 2
+    assert (
+        child.block_table == [full, partial]
+        and bm.pool.ref_count(full) == bm.pool.ref_count(partial) == 2
+    )
     free_before = bm.num_free_blocks
 
     child.append_token(100)
@@ -221,7 +225,11 @@ def test_copy_on_write_when_forked_sequences_write_a_shared_block() -> None:
     ops = bm.take_copy_ops()
     new_block = child.block_table[1]
     assert ops == [(partial, new_block)] and new_block != partial
-    assert child.block_table[0] == full and bm._ref[full] == 2 and bm._ref[partial] == 1
+    assert (
+        child.block_table[0] == full
+        and bm.pool.ref_count(full) == 2
+        and bm.pool.ref_count(partial) == 1
+    )
     assert bm.num_free_blocks == free_before - 1
     kv.apply_copies(ops)
     kv.write(child, 1)
@@ -272,7 +280,7 @@ def test_a_failed_admission_does_not_count_a_lookup() -> None:
     assert not bm.allocate_slots(big, big.num_uncomputed_tokens)
     bm.free(big)
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (3, 0)  # first's lookup only
-    assert bm._ref[first.block_table[0]] == 1
+    assert bm.pool.ref_count(first.block_table[0]) == 1
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -368,20 +376,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def every_block_in_exactly_one_state(self) -> None:
         bm = self.bm
         held = Counter(b for seq in self.live for b in seq.block_table)
-        free, lru = list(bm._free), list(bm._lru)
+        pool = bm.pool
+        free, lru = list(pool._free), list(pool._lru)
         assert len(free) == len(set(free)), "double free"
         assert not set(free) & set(lru)
         for block in range(self.NUM_BLOCKS):
-            assert bm._ref[block] == held[block], f"block {block} ref count"
+            assert pool.ref_count(block) == held[block], f"block {block} ref count"
             in_pool = (block in free) + (block in lru)
             assert in_pool == (0 if held[block] else 1), f"block {block} leaked or double-held"
             if block in free:
-                assert bm._block_hash[block] is None
+                assert pool._block_hash[block] is None
             if block in lru:
-                assert bm._block_hash[block] is not None
-        for block_hash, block in bm._cached.items():
-            assert bm._block_hash[block] == block_hash
-        assert sum(h is not None for h in bm._block_hash) == len(bm._cached)
+                assert pool._block_hash[block] is not None
+        for block_hash, block in pool._cached.items():
+            assert pool._block_hash[block] == block_hash
+        assert sum(h is not None for h in pool._block_hash) == len(pool._cached)
         assert bm.num_free_blocks == len(free) + len(lru)
         assert bm.usage == 1.0 - bm.num_free_blocks / self.NUM_BLOCKS
         assert 0 <= bm.prefix_cache_hits <= bm.prefix_cache_queries
@@ -398,8 +407,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(seq)
         assert self.bm.num_free_blocks == self.NUM_BLOCKS
         assert self.bm.usage == 0.0
-        assert all(ref == 0 for ref in self.bm._ref)
-        assert len(self.bm._free) + len(self.bm._lru) == self.NUM_BLOCKS
+        pool = self.bm.pool
+        assert all(pool.ref_count(block) == 0 for block in range(self.NUM_BLOCKS))
+        assert len(pool._free) + len(pool._lru) == self.NUM_BLOCKS
 
 
 BlockManagerMachine.TestCase.settings = settings(

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine.core.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from engine.core.sampling_params import SamplingParams
-from tests.tiny_models import build_tokenizer
+from scripts.tiny_models import build_tokenizer
 
 TOKENIZER = build_tokenizer()
 PROMPT = TOKENIZER.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")

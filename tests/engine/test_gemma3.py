@@ -16,9 +16,9 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.llm import LLM
-from engine.model.cpu import attention as cpu_attention
 from engine.model.cpu.kernels import build, paged_decode
 from engine.model.cpu.lean_forward import LeanLlamaForward
+from scripts.tiny_models import GEMMA3_SLIDING_WINDOW, build_tiny_gemma3
 from tests.engine.test_cpu_decode_kernel import decode_batch, naive_decode
 from tests.engine.test_engine_correctness import (
     engine_tokens,
@@ -26,7 +26,6 @@ from tests.engine.test_engine_correctness import (
     random_prompts,
     reference_greedy,
 )
-from tests.tiny_models import GEMMA3_SLIDING_WINDOW, build_tiny_gemma3
 
 # Past the window of 12 from the prompt on (40, 63) or only while decoding (5 + 16 new tokens).
 PROMPT_LENS = [40, 3, 17, 63, 1, 12, 5, 29]
@@ -71,7 +70,7 @@ def test_greedy_matches_transformers(
         windows.append(args[6])
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_attention.paged_decode, "paged_decode_attention", spy)
+    monkeypatch.setattr(paged_decode, "paged_decode_attention", spy)
     llm = LLM(str(model_dir), num_threads=1, **engine_args)
     assert engine_tokens(llm, prompts, greedy(MAX_NEW)) == expected
     if llm.engine.runner.attention_backend == "cpu":  # decodes ran on the kernel, both layer kinds

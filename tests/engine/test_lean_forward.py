@@ -16,8 +16,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
-from engine.model import step_context
-from engine.model.cpu.attention import fused_decode_step
+from engine.model.cpu import lean_forward
 from engine.model.cpu.kernels import panel_gemm
 from engine.model.cpu.kernels.build import available
 from engine.model.cpu.lean_forward import LeanLlamaForward
@@ -64,12 +63,14 @@ def test_lean_logits_match_the_transformers_forward_step_by_step(
     with the qkv projection inside it where the panel GEMM runs."""
     fused_steps = []
 
-    def counting_fused_decode_step(*args, **kwargs):
-        step = fused_decode_step(*args, **kwargs)
-        fused_steps.append(step is not None)
-        return step
+    fused_decode = lean_forward.fused_decode
 
-    monkeypatch.setattr(step_context, "fused_decode_step", counting_fused_decode_step)
+    def counting_fused_decode(*args, **kwargs):
+        fused = fused_decode(*args, **kwargs)
+        fused_steps.append(fused is not None)
+        return fused
+
+    monkeypatch.setattr(lean_forward, "fused_decode", counting_fused_decode)
     core = make_core(tiny_llama_dir)
     lean = core.runner.lean
     assert lean is not None

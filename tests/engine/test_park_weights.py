@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.model.cpu.linear import prepack_linears, prepack_supported
-from engine.model.park.host_memory import trim_heap
+from engine.model.host_memory import trim_heap
 from engine.model.park.weights import WeightParker
 
 CPU = torch.device("cpu")

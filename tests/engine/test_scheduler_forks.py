@@ -1,12 +1,11 @@
 """Scheduler, n>1 choices: forked from the leader with copy-on-write, through preemption of
 the leader and its siblings (a sibling already scheduled in the step included), ahead of later
-prefills, handed on when the leader finishes first, and seated as a group under max_num_seqs;
-driven by tests/engine/simulated_engine.py."""
+prefills, and seated as a group under max_num_seqs; driven by tests/engine/simulated_engine.py."""
 
 from __future__ import annotations
 
 from engine.core.sequence import SequenceStatus
-from tests.engine.simulated_engine import SimulatedEngine, next_token
+from tests.engine.simulated_engine import SimulatedEngine
 
 
 def test_n_choices_fork_from_the_leader_and_copy_on_write() -> None:
@@ -16,22 +15,20 @@ def test_n_choices_fork_from_the_leader_and_copy_on_write() -> None:
     assert engine.sched.num_waiting == 3
     out = engine.sched.schedule()
     assert out.seqs == [leader] and out.num_new_tokens == [6]
+    assert out.to_sample == [leader, *siblings] and out.logits_rows == [0, 0, 0]
     engine.kv.write(leader, 6)
-    to_sample = engine.sched.finish_step(out)
-    assert [(s.choice_index, row) for s, row in to_sample] == [(0, 0), (1, 0), (2, 0)]
+    engine.sched.update_from_output(out, engine.sample(out))
     full, partial = leader.block_table
     for sib in siblings:
         assert sib.block_table == [full, partial] and sib.status is SequenceStatus.RUNNING
-        assert sib.num_computed_tokens == 6 and sib.token_ids == leader.token_ids
-    assert engine.bm._ref[full] == engine.bm._ref[partial] == 3
-    for seq, _ in to_sample:
-        seq.append_token(next_token(seq.token_ids, seq.choice_index))
+        assert sib.num_computed_tokens == 6 and sib.num_output_tokens == 1
+    assert engine.bm.pool.ref_count(full) == engine.bm.pool.ref_count(partial) == 3
 
     out = engine.step()  # three decodes write into the shared partial block
     assert len(out.seqs) == 3
     assert len(out.copy_ops) == 2 and all(src == partial for src, _ in out.copy_ops)
     last_blocks = {seq.block_table[1] for seq in engine.groups["multi"]}
-    assert len(last_blocks) == 3 and engine.bm._ref[full] == 3
+    assert len(last_blocks) == 3 and engine.bm.pool.ref_count(full) == 3
     engine.run(max_steps=20)
     outputs = [seq.output_token_ids for seq in engine.groups["multi"]]
     assert len({tuple(o) for o in outputs}) == 3, "choices should differ"
@@ -97,18 +94,6 @@ def test_a_victim_scheduled_earlier_in_the_step_leaves_the_batch() -> None:
     assert out.seqs == [leader, long] and out.num_new_tokens == [1, 8]
     assert engine.bm.num_free_blocks == 0
     engine.run(max_steps=100)
-    engine.assert_outputs_match_reference()
-    engine.assert_all_blocks_returned()
-
-
-def test_finishing_a_leader_before_its_fork_hands_the_group_to_a_sibling() -> None:
-    engine = SimulatedEngine(num_blocks=20, max_num_seqs=8, max_num_batched_tokens=64)
-    engine.add("multi", [1, 2, 3], max_tokens=3, n=3)
-    leader, second, third = engine.groups["multi"]
-    engine.sched.finish(leader, "abort")
-    assert list(engine.sched.waiting) == [second] and engine.sched.num_waiting == 2
-    engine.run(max_steps=20)
-    assert second.finish_reason == third.finish_reason == "length"
     engine.assert_outputs_match_reference()
     engine.assert_all_blocks_returned()
 

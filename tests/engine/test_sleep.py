@@ -12,13 +12,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from common.processes import rss_bytes
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
 from engine.errors import EngineBusyError, EngineSleepingError
+from scripts.tiny_models import build_tiny_llama
 from tests.engine.server_http import CHAT, COMPLETIONS, chat_body, post, scrape
 from tests.server_utils import EngineProcess
-from tests.tiny_models import build_tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,10 +107,9 @@ async def _answers(url: str) -> list[str]:
 
 
 def _vm_rss(proc: EngineProcess) -> int:
-    for line in Path(f"/proc/{proc.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    rss = rss_bytes(proc.proc.pid)
+    assert rss is not None, "the engine is gone"
+    return rss
 
 
 async def _status(url: str) -> dict:

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from engine.errors import InvalidRequestError
 from engine.serving.prompts import apply_chat_template, parse_messages, prompt_chars
 from engine.serving.tools.rendering import template_renders_tools
-from tests.tiny_models import CHAT_TEMPLATE
+from scripts.tiny_models import CHAT_TEMPLATE
 
 WEATHER = {
     "type": "function",
@@ -59,7 +59,7 @@ NATIVE_TEMPLATE = (
 
 
 def _tokenizer(template: str) -> Any:
-    from tests.tiny_models import build_tokenizer
+    from scripts.tiny_models import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = template

@@ -1,1 +1,2 @@
-"""Gateway tests: real upstream processes on 127.0.0.1 (see conftest.py, mock_upstream.py)."""
+"""Gateway tests: real upstream processes on 127.0.0.1 (see conftest.py and
+scripts/mock_upstream.py)."""

@@ -1,15 +1,11 @@
-"""Gateway test fixtures: mock upstream processes and an in-process gateway on free ports."""
+"""Gateway test fixtures: mock upstream processes (scripts/mock_upstream.py) and an in-process
+gateway on free ports."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,69 +16,15 @@ import yaml
 from aiohttp import web
 
 from common.net import free_port
-from gateway import pool as gateway_pool
 from gateway.app import Gateway, create_app
 from gateway.config import load_config, parse_config
+from gateway.engines import pool as gateway_pool
 from gateway.router import ModelRoute, Router
 from gateway.server import GatewayRunner
+from scripts.mock_upstream import MockUpstream
 
-MOCK_SCRIPT = Path(__file__).with_name("mock_upstream.py")
 FAKE_ENGINE = (sys.executable, str(Path(__file__).with_name("fake_engine.py")))
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _http_json(method: str, url: str, body: Any = None, timeout: float = 5.0) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-class MockUpstream:
-    """A mock upstream in its own process, so a test can SIGKILL it and start it again."""
-
-    def __init__(self, name: str = "mock-model", port: int | None = None) -> None:
-        self.name = name
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 15.0) -> MockUpstream:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(MOCK_SCRIPT), "--port", str(self.port), "--name", self.name],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mock upstream exited with {self.proc.returncode}")
-            with contextlib.suppress(OSError):
-                _http_json("GET", self.url + "/ready", timeout=0.5)
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("mock upstream did not become ready")
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def control(self, **settings: Any) -> None:
-        _http_json("POST", self.url + "/control", settings)
-
-    def stats(self) -> dict[str, Any]:
-        return _http_json("GET", self.url + "/stats")
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 
 from aiohttp import web
-from mock_upstream import MockUpstream, serve  # the script's folder is on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a plain script
+
+from scripts.mock_upstream import MockServer, serve
 
 
 def main() -> None:
@@ -47,7 +50,7 @@ def main() -> None:
         sys.exit(3)
     if marker:
         marker.touch()
-    mock = MockUpstream(args.served_model_name)
+    mock = MockServer(args.served_model_name)
     ready_at = time.monotonic() + args.ready_delay_s
     sleeping = {"now": False, "parks": 0, "wakes": 0}
     base_ready = mock.ready

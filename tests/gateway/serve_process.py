@@ -1,4 +1,4 @@
-"""``modelyard serve`` as a real process for tests, and the /proc look-ups that find its engines."""
+"""``modelyard serve`` as a real process for tests (its engines found through /proc)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from common.processes import alive, children, stop_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_ENGINE = shlex.join([sys.executable, str(Path(__file__).with_name("fake_engine.py"))])
@@ -80,7 +82,7 @@ class ServeProcess:
         """Until ``replicas`` engines run under this gateway and all of them take traffic."""
 
         def ready() -> bool:
-            self.engine_pids |= children_of(self.proc.pid)
+            self.engine_pids |= set(children(self.proc.pid))
             status, state = http_get(self.url + "/admin/backends", token=self.admin_key)
             if status != 200 or len(self.engine_pids) < replicas:
                 return False
@@ -111,39 +113,9 @@ class ServeProcess:
         return text[-tail:] if tail else text
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 15)
         for pid in self.engine_pids:
-            if running(pid):
+            if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self.log.close()
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rindex(")") + 2 :].split()  # fields after "pid (comm) ", comm may hold spaces
-
-
-def children_of(pid: int) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(int(entry))
-            if fields is not None and int(fields[1]) == pid:
-                found.add(int(entry))
-    return found
-
-
-def running(pid: int) -> bool:
-    """Exists and is not a zombie (an orphan's zombie waits on whoever reaps orphans here)."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")

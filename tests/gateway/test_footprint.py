@@ -13,6 +13,7 @@ from gateway.residency.footprint import (
     COMPILE_WORKER_ESTIMATE,
     ENGINE_KV_DEFAULT,
     ENGINE_STRUCTURED_CACHE_DEFAULT,
+    GGUF_EXPANSION,
     RUNTIME_BYTES,
     estimate,
     measured_bytes,
@@ -77,7 +78,10 @@ def test_the_estimate_counts_the_structured_cache_budget(tmp_path, engine_args, 
     model = local_model(tmp_path, device="cpu", engine_args=engine_args)
     footprint = estimate(model)
     structured = cache + COMPILE_WORKER_ESTIMATE
-    assert footprint.awake_bytes == RUNTIME_BYTES + 13 * 1000 + ENGINE_KV_DEFAULT + structured
+    assert (
+        footprint.awake_bytes
+        == RUNTIME_BYTES + GGUF_EXPANSION * 1000 + ENGINE_KV_DEFAULT + structured
+    )
     assert footprint.parked_bytes == RUNTIME_BYTES and not footprint.measured
 
 

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
+from gateway.engines.replica import ReplicaState
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import quarantine as quarantine_module
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.quarantine import Quarantine, Signatures
 from gateway.ratelimit import Admission
-from gateway.replica import ReplicaState
 from tests.gateway.conftest import model_route
 from tests.gateway.test_residency import fleet, sample, states
 from tests.gateway.test_resilience import sse_events, wait_for

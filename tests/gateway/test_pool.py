@@ -14,8 +14,8 @@ import yaml
 
 from gateway.app import Gateway
 from gateway.config import load_config
-from gateway.pool import engine_command
-from gateway.replica import ReplicaState
+from gateway.engines.process import engine_command
+from gateway.engines.replica import ReplicaState
 from tests.gateway.test_resilience import wait_for
 
 

@@ -1,5 +1,5 @@
-"""The replica state machine (gateway/replica.py): every transition of the table is allowed and
-reported once, every other one is refused loudly and changes nothing."""
+"""The replica state machine (gateway/engines/replica.py): every transition of the table is
+allowed and reported once, every other one is refused loudly and changes nothing."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from gateway.config import ModelConfig
+from gateway.engines.replica import TRANSITIONS, InvalidTransition, Replica, ReplicaState
 from gateway.metrics import GatewayMetrics
-from gateway.replica import TRANSITIONS, InvalidTransition, Replica, ReplicaState
 
 S = ReplicaState
 ALLOWED = [(old, new) for old, targets in TRANSITIONS.items() for new in sorted(targets, key=str)]

@@ -17,8 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway import pool as pool_module
-from gateway.replica import ReplicaState
+from gateway.engines import pool as pool_module
+from gateway.engines.replica import ReplicaState
 from gateway.residency import manager as manager_module
 from tests.gateway.test_resilience import wait_for
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from common.net import free_port
-from tests.gateway.serve_process import ServeProcess, children_of, http_get
+from common.processes import children
+from tests.gateway.serve_process import ServeProcess, http_get
 
 
 def complete(url: str, model: str, prompt: str) -> str:
@@ -72,7 +73,7 @@ def test_on_demand_engine_loads_parks_and_wakes_with_the_same_answer(gateway):
     awake = model_info(gateway, "od")
     assert awake["state"] == "ready"
     pid = awake["replicas"][0]["pid"]
-    assert pid in children_of(gateway.proc.pid)
+    assert pid in children(gateway.proc.pid)
     parked = wait_state(gateway, "od", "parked", timeout=30)
     footprint = parked["footprint"]
     assert footprint["source"] == "measured"

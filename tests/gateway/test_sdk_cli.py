@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from common.net import free_port
-from tests.gateway.conftest import MockUpstream, fleet
+from scripts.mock_upstream import MockUpstream
+from tests.gateway.conftest import fleet
 from tests.gateway.serve_process import REPO_ROOT, ServeProcess
 
 SECRET = "sk-sdk-test"

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from common import processes
 from common.net import free_port
-from tests.gateway.serve_process import FAKE_ENGINE, ServeProcess, http_get, running
+from tests.gateway.serve_process import FAKE_ENGINE, ServeProcess, http_get
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's"
@@ -47,7 +48,7 @@ def serve(tmp_path: Path) -> Iterator:
 
 def wait_gone(pids: set[int], timeout: float) -> set[int]:
     deadline = time.monotonic() + timeout
-    while (alive := {pid for pid in pids if running(pid)}) and time.monotonic() < deadline:
+    while (alive := {pid for pid in pids if processes.alive(pid)}) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
 
@@ -55,7 +56,7 @@ def wait_gone(pids: set[int], timeout: float) -> set[int]:
 def test_engines_die_with_a_sigkilled_gateway(serve) -> None:
     gateway = serve(replicas=2)
     engines = set(gateway.engine_pids)
-    assert len(engines) == 2 and all(running(pid) for pid in engines)
+    assert len(engines) == 2 and all(processes.alive(pid) for pid in engines)
     gateway.proc.send_signal(signal.SIGKILL)
     gateway.proc.wait(timeout=5)
     assert wait_gone(engines, timeout=5) == set(), "engines outlived the gateway"

@@ -4,9 +4,10 @@ attend over each sequence's blocks.
 
 Backends ($MODELYARD_ATTENTION_BACKEND forces one; `select_backend` reads it once, at load):
 - "triton" (auto on CUDA): the Triton kernels of `engine.model.attention.triton_kernels`.
-- "cpu" (auto on CPU when the C kernels build): `engine.model.cpu.attention`, decode groups on the
-  C kernel that reads K/V straight from the block pools (fp32 or bf16; other dtypes and prefill
-  groups take the torch path).
+- "cpu" (auto on CPU when the C kernels build): the torch reference with the C pieces of
+  `engine.model.attention.cpu_backend`: the cache write, and decode groups on the C kernel that
+  reads K/V straight from the block pools (fp32 or bf16; other dtypes and prefill groups take the
+  torch path).
 - "torch" (the reference, and the fallback when no compiler is found):
   `engine.model.attention.torch_reference`.
 """
@@ -17,9 +18,9 @@ import os
 
 import torch
 
+from engine.model.attention import cpu_backend
 from engine.model.attention.metadata import AttentionMetadata
 from engine.model.attention.torch_reference import attend_torch, write_kv_cache_torch
-from engine.model.cpu.attention import paged_attention_cpu
 from engine.model.cpu.kernels.build import available
 
 # "triton" | "cpu" | "torch" | unset (auto: triton on CUDA, cpu on CPU when its kernel builds)
@@ -73,12 +74,13 @@ def paged_attention(
             else triton_kernels.prefill_attention
         )
         return attend(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
-    if backend == "cpu":
-        return paged_attention_cpu(
-            query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap
-        )
-    write_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping)
-    return attend_torch(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    cpu = backend == "cpu"
+    if not (cpu and cpu_backend.write_kv_cache(key, value, k_cache, v_cache, meta)):
+        write_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping)
+    decode_groups = cpu_backend.decode_kernel(query, k_cache) if cpu else None
+    return attend_torch(
+        query, k_cache, v_cache, meta, scale, sliding_window, softcap, decode_groups=decode_groups
+    )
 
 
 def _checked(backend: str) -> str:

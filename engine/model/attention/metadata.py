@@ -27,6 +27,18 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
+    def slots_within(self, num_slots: int) -> bool:
+        """Whether every slot of the step lies in [0, num_slots), checked once per step: the C
+        kernels write K/V into the pools without bounds checks."""
+        key = ("slots_within", num_slots)
+        within = self.derived.get(key)
+        if within is None:
+            slots = self.slot_mapping
+            within = self.derived[key] = bool(
+                slots.numel() and int(slots.min()) >= 0 and int(slots.max()) < num_slots
+            )
+        return within
+
     @classmethod
     def from_lists(
         cls,

@@ -9,8 +9,9 @@ gate/up fused) where oneDNN supports the dtype. Per forward: which ops get every
 (`lean_forward`), which the runner keeps only if it reproduces the transformers forward.
 
 Off the fast path, the CPU pieces reached without it: the "cpu" attention backend
-(`engine.model.cpu.attention`, chosen with the others by engine.model.attention.backends), the
-sampler's argmax kernel, and `engine.model.cpu.openmp_env`, which must run before torch loads.
+(`engine.model.attention.cpu_backend`, chosen with the others by engine.model.attention.backends),
+the sampler's argmax kernel (through engine.model.sampling_ops), and
+`engine.model.cpu.openmp_env`, which must run before torch loads.
 """
 
 from __future__ import annotations

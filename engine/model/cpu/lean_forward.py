@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.model.cpu.fused_decode import fused_decode
 from engine.model.cpu.kernels.fused_ops import FusedOps, StepOps
 from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
 from engine.model.cpu.linear import FusedMember, PrepackedLinear, StepGemms
@@ -111,12 +112,15 @@ class LeanLlamaForward:
         q_width = self.num_heads * self.head_dim
         qk_heads = self.num_heads + self.num_kv_heads
         gemms = StepGemms(tokens)
-        if ops.uses_kernels and self.narrow is not None:  # rotary is in the kernels' form
+        # decode steps on the C kernels (rotary is in their form): one call per layer for rope +
+        # write + attend, or on narrow weights one call for every layer
+        fused = (
+            fused_decode(attention, rotary, self.num_heads, x.dtype) if ops.uses_kernels else None
+        )
+        if fused is not None and self.narrow is not None:
             # every row sampled (a decode step's rows are its samples): the logits in the call
             every_row = sample_rows is not None and len(sample_rows) == tokens
-            out = attention.decode_layers(
-                rotary, self.num_heads, self.narrow, x, gemms.threads, every_row
-            )
+            out = fused.all_layers(self.narrow, x, gemms.threads, every_row)
             if out is not None:
                 if sample_rows is None:
                     return None
@@ -124,16 +128,12 @@ class LeanLlamaForward:
                     return out.logits
                 return self.lm_head(out.hidden.index_select(0, sample_rows))
         delta = None  # the previous block's output, added to x by the next norm
-        # other decode steps on the C kernels: one call per layer for rope + write + attend
-        fused = (
-            attention.fused_decode(rotary, self.num_heads, x.dtype) if ops.uses_kernels else None
-        )
         step_ops = StepOps(ops, x, self.mlp_width)
         for index, layer in enumerate(self.layers):
             h = step_ops.add_rms_norm(delta, *layer.input_norm)
             if fused is not None:  # with the projection where the kernel can run it too
                 qkv = gemms.fused_operands(layer.qkv, h) or gemms(layer.qkv, h)
-                attn = fused(index, qkv, layer.scale, layer.sliding_window)
+                attn = fused.attend(index, qkv, layer.scale, layer.sliding_window)
             else:
                 qkv = gemms(layer.qkv, h)
                 qk = ops.rope(qkv, rotary, qk_heads, self.head_dim)

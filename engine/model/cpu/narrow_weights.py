@@ -16,8 +16,8 @@ from engine.errors import ModelLoadError
 from engine.model.cpu import narrow_cache
 from engine.model.cpu.kernels import quant_gemm
 from engine.model.cpu.quantize import QuantizedModel, quantize_model
+from engine.model.host_memory import trim_heap
 from engine.model.model_source import split_source
-from engine.model.park.host_memory import trim_heap
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.park.host_memory import start_writeback
+from engine.model.host_memory import start_writeback
 
 _PAGE = 4096
 _IO_CHUNK = 256 * 2**20  # bytes per read/write call (Linux moves at most ~2 GiB per call)

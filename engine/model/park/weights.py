@@ -28,7 +28,7 @@ from torch import nn
 
 from engine.model.cpu.huge_pages import HugePageArena
 from engine.model.cpu.linear import PrepackedLinear
-from engine.model.park.host_memory import raw_bytes, release_pages
+from engine.model.host_memory import raw_bytes, release_pages
 from engine.model.park.stores import aligned_offsets, store_for
 from engine.model.park.tensor_walk import Extent, repoint, repoint_empty, walk
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from common.http_server import ClientLimits
-from tests.gateway.conftest import MockUpstream
+from scripts.mock_upstream import MockUpstream
 
 FAST = ClientLimits(
     header_timeout_s=0.6,

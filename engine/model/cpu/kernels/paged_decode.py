@@ -4,7 +4,7 @@
 the rotary and cache write of a decode-only step; `paged_decode_attention` is its one-call form for
 a query that is already rotated and written; `write_kv_cache` copies new K/V rows into their slots;
 `read_paged_kv` reads the same K/V bytes as a decode step and does nothing else (the benchmark's
-floor for attention).
+floor for attention); `decode_threads` sizes a call's thread count.
 """
 
 from __future__ import annotations
@@ -15,8 +15,14 @@ import torch
 
 from engine.model.cpu.kernels.build import load
 from engine.model.cpu.kernels.panel_gemm import PanelOperands
+from engine.model.cpu.threads import all_threads, threads_for
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# A decode kernel call runs multi-threaded from this many visible-key x query-head x head-dim
+# multiply-adds (per pass over K or V): about where two threads begin to beat one once the wake-up
+# is paid. A lone sequence splits only by KV head (3 tasks for SmolLM2), too few to amortise the
+# wake-up even at long contexts (figures: docs/PERFORMANCE.md#thread-wake-ups).
+_PARALLEL_MACS = 1e6
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -27,6 +33,14 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and query.dtype in _DTYPES
         and k_cache.dtype in _DTYPES
     )
+
+
+def decode_threads(macs: float) -> int:
+    """Threads of a decode kernel call of ``macs`` multiply-adds per pass: inside split_threads
+    its count for big enough work, else 1; outside, torch's own count for big enough work."""
+    if all_threads():
+        return max(1, threads_for(macs, _PARALLEL_MACS))
+    return torch.get_num_threads() if macs >= _PARALLEL_MACS else 1
 
 
 class _DecodeStepStruct(ctypes.Structure):

@@ -1,0 +1,405 @@
+"""The engine pool: the engine processes of every local model (``source:``), each replica's
+lifecycle driven through its state machine (gateway/engines/replica.py).
+
+Each replica runs ``python -m engine --model SRC --served-model-name NAME --host 127.0.0.1
+--port N ...`` on a free loopback port. It joins the router when it becomes READY; if its process
+exits unexpectedly it leaves the router and restarts after an exponential backoff (BACKOFF, reset
+once it has served ``STABLE_AFTER_S``). Only starts count towards giving up: after
+``MAX_CRASHES`` restarts in a row that never became ready it is FAILED, with its last log lines,
+until an operator loads it or a config reload replaces it. Crashes while serving never fail it: a
+request can cause them (gateway/proxy/quarantine.py), and one must not take the model down for
+everyone.
+
+A model is *active* when its replicas should serve: pinned models always, on-demand ones while the
+residency manager (gateway/residency) wants them. ``activate`` wakes parked replicas or starts
+them, ``put_to_sleep`` parks them (the process stays, its memory goes), ``deactivate`` stops
+them.
+
+Config changes are applied without dropping requests, one replica at a time: start a new replica,
+wait for it to be ready, add it to the router, take an old one out of the router, let its in-flight
+requests finish (up to ``drain_timeout_s``), then stop it. If a new replica never becomes ready the
+rollout stops there and the old replicas keep serving. A GPU replica whose memory fraction does not
+fit next to the running ones (a full card) is replaced the other way round: the old one drains and
+stops first, so the model serves with one replica fewer meanwhile (none, if it has only one); if the
+new one never becomes ready, the old one is started again and the rollout stops. An inactive
+model's stale replicas are only stopped: it starts anew at its next activation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+from common.net import free_port
+from gateway.backend import Backend
+from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig
+from gateway.engines.process import (
+    ENGINE_LAUNCHER,
+    EngineClient,
+    die_with_gateway,
+    engine_command,
+    relay_output,
+    send_signal,
+    spawn,
+    spec_of,
+)
+from gateway.engines.replica import LEAVING, Replica, ReplicaListener, ReplicaState
+
+log = logging.getLogger("modelyard.pool")
+
+S = ReplicaState
+READY_POLL_S = 0.25
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 60.0
+STABLE_AFTER_S = 60.0  # a replica that served this long without crashing resets its backoff
+MAX_CRASHES = 5  # restarts in a row that never became ready before a replica is FAILED
+SLEEP_TIMEOUT_S = 120.0  # for POST /sleep and /wake_up (a weight copy, not a load)
+
+
+class EnginePool:
+    """Owns the engine processes; tells the router which URLs serve each local model."""
+
+    def __init__(
+        self,
+        publish: Callable[[str, list[str]], None],
+        find_backend: Callable[[str, str], Backend | None],
+        *,
+        launcher: tuple[str, ...] = ENGINE_LAUNCHER,
+        startup_timeout_s: float = 900.0,
+        drain_timeout_s: float = 60.0,
+        stop_timeout_s: float = 30.0,
+        cwd: str | None = None,
+        on_transition: ReplicaListener | None = None,
+    ) -> None:
+        self.publish = publish  # (model, ready URLs) → router
+        self.find_backend = find_backend  # (model, url) → its router Backend, for draining
+        self.launcher = launcher
+        self.startup_timeout_s = startup_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.cwd = cwd
+        self.on_transition = on_transition  # metrics and the residency manager
+        self.replicas: dict[str, list[Replica]] = {}
+        self.models: dict[str, ModelConfig] = {}
+        self.active: set[str] = set()  # models whose replicas should serve
+        self.client = EngineClient()
+        self._apply_lock = asyncio.Lock()
+        self._model_locks: dict[str, asyncio.Lock] = {}
+        self._rollouts: set[asyncio.Task[None]] = set()
+
+    # ---- lifecycle ----
+
+    async def apply(self, config: FleetConfig) -> None:
+        """Brings the running replicas in line with ``config`` (serialised across calls)."""
+        async with self._apply_lock:
+            wanted = {m.name: m for m in config.models if m.local}
+            removed = [name for name in self.replicas if name not in wanted]
+            await asyncio.gather(*(self._remove_model(name) for name in removed))
+            self.models = wanted
+            for model in wanted.values():
+                if not model.on_demand:
+                    self.active.add(model.name)
+            self.active &= set(wanted)
+            await asyncio.gather(*(self._converge_locked(m.name) for m in wanted.values()))
+
+    def apply_soon(self, config: FleetConfig) -> None:
+        """For config listeners, which cannot wait: applies in the background."""
+        self._background(self.apply(config), "applying the engine pool config")
+
+    async def stop(self) -> None:
+        for task in list(self._rollouts):
+            task.cancel()
+        async with self._apply_lock:
+            await asyncio.gather(*(self._remove_model(name) for name in list(self.replicas)))
+        await self.client.close()
+
+    async def _remove_model(self, name: str) -> None:
+        async with self._lock(name):
+            await self._retire(name, list(self.replicas.get(name, [])))
+            self.replicas.pop(name, None)
+            self.active.discard(name)
+            self.publish(name, [])
+
+    def _background(self, work: object, what: str) -> None:
+        async def logged() -> None:
+            try:
+                await work  # type: ignore[misc]
+            except Exception:
+                log.exception("%s failed", what)
+
+        task = asyncio.create_task(logged())
+        self._rollouts.add(task)
+        task.add_done_callback(self._rollouts.discard)
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._model_locks.setdefault(name, asyncio.Lock())
+
+    # ---- residency: what the manager asks for ----
+
+    async def activate(self, name: str) -> bool:
+        """Makes ``name`` serve: wakes its parked replicas, starts missing ones; True when at least
+        one replica is READY at the end."""
+        model = self.models.get(name)
+        if model is None:
+            return False
+        self.active.add(name)
+        async with self._lock(name):
+            parked = [r for r in self.replicas.get(name, []) if r.state is S.PARKED]
+            await asyncio.gather(*(self._wake(r) for r in parked))
+            await self._converge(name)
+        return any(r.state is S.READY for r in self.replicas.get(name, []))
+
+    async def put_to_sleep(self, name: str) -> None:
+        """Parks every READY replica of ``name`` (one that refuses to sleep stays READY)."""
+        self.active.discard(name)
+        async with self._lock(name):
+            ready = [r for r in self.replicas.get(name, []) if r.state is S.READY]
+            await asyncio.gather(*(self._sleep(r) for r in ready))
+
+    async def deactivate(self, name: str) -> None:
+        """Stops every replica of ``name`` (drained first)."""
+        self.active.discard(name)
+        async with self._lock(name):
+            await self._retire(name, list(self.replicas.get(name, [])))
+
+    def states(self, name: str) -> list[ReplicaState]:
+        return [r.state for r in self.replicas.get(name, [])]
+
+    async def _sleep(self, replica: Replica) -> None:
+        replica.set_state(S.PARKING)  # out of the router
+        await self._drain(replica)
+        status, body = await self.client.post(replica.url, "/sleep?level=1", SLEEP_TIMEOUT_S)
+        if replica.state is not S.PARKING:  # crashed or stopped meanwhile
+            return
+        if status != 200:
+            log.warning("replica %s#%d would not sleep (%s): %s", replica.model, replica.index,
+                        status, body)  # fmt: skip
+            replica.set_state(S.READY, f"sleep refused: {status}")
+            return
+        replica.set_state(S.PARKED)
+
+    async def _wake(self, replica: Replica) -> bool:
+        replica.set_state(S.WAKING)
+        status, body = await self.client.post(replica.url, "/wake_up", SLEEP_TIMEOUT_S)
+        if replica.state is not S.WAKING:
+            return False
+        if status == 200 and await self._wait_ready(replica, S.WAKING):
+            replica.set_state(S.READY)
+            return True
+        log.error("replica %s#%d did not wake (%s): %s", replica.model, replica.index, status, body)
+        await self._stop_replica(replica)
+        return False
+
+    # ---- convergence ----
+
+    async def _converge_locked(self, name: str) -> None:
+        async with self._lock(name):
+            await self._converge(name)
+
+    async def _converge(self, name: str) -> None:
+        """Replaces stale replicas and matches the replica count (active models), or stops the
+        stale ones (inactive models). The caller holds the model's lock."""
+        model = self.models[name]
+        spec = spec_of(model)
+        current = self.replicas.setdefault(name, [])
+        gone = [r for r in current if r.state in (S.FAILED, S.STOPPED)]
+        if gone:
+            await self._retire(name, gone)
+        stale = [r for r in self.replicas[name] if r.spec != spec]
+        for replica in self.replicas[name]:
+            if replica.spec == spec:  # stale ones keep theirs: what they run (and restart with)
+                replica.config = model
+        if name not in self.active:
+            if stale:
+                await self._retire(name, stale)
+            return
+        # Replace stale replicas one at a time: new one up first, then the old one out; on a GPU
+        # without room for both, the old one out first.
+        for old in stale:
+            if self._gpu_in_use() + model.gpu_share > MAX_GPU_FRACTION_SUM:
+                log.info("model %s: no GPU memory for a new replica beside the old", name)
+                await self._retire(name, [old])
+                if not await self._add_replica(model, spec):
+                    log.error("model %s: new replica did not become ready; restarting the old one",
+                              name)  # fmt: skip
+                    await self._add_replica(old.config, old.spec)
+                    return
+                continue
+            if not await self._add_replica(model, spec):
+                log.error("model %s: new replica did not become ready; keeping the old ones", name)
+                return
+            await self._retire(name, [old])
+        # Scaling down keeps first the replicas whose spin-wait suits the fleet as it will be: a
+        # spinner left from a lone start is kept when the model is back to one replica (fast
+        # again), and goes first otherwise.
+        fresh = sorted(
+            (r for r in self.replicas[name] if r.spec == spec),
+            key=lambda r: r.spin_wait != model.spin_wait,
+        )
+        for _ in range(model.replicas - len(fresh)):
+            if not await self._add_replica(model, spec):
+                log.error("model %s: replica did not become ready", name)
+                return
+        surplus = fresh[model.replicas :]
+        if surplus:
+            await self._retire(name, surplus)
+
+    def _gpu_in_use(self) -> float:
+        """The GPU memory fraction of every replica awake (parked ones hold no KV pools)."""
+        return sum(
+            r.config.gpu_share
+            for rs in self.replicas.values()
+            for r in rs
+            if r.state not in (S.PARKED, S.STOPPED, S.FAILED)
+        )
+
+    async def _add_replica(self, model: ModelConfig, spec: tuple[str, ...]) -> bool:
+        """Starts a replica and waits until it is READY (True) or has failed (False: it stays,
+        FAILED, when it is the model's only one, so that its log lines can be seen)."""
+        taken = {r.index for r in self.replicas[model.name]}
+        index = next(i for i in range(len(taken) + 1) if i not in taken)  # bounded metric label
+        replica = Replica(model.name, spec, model, self._transition, index=index)
+        self.replicas[model.name].append(replica)
+        replica.supervisor = asyncio.create_task(self._supervise(replica))
+        while replica.state not in (S.READY, S.FAILED) and not replica.supervisor.done():
+            await replica.wait_change(1.0)
+        if replica.state is S.READY:
+            return True
+        others = [r for r in self.replicas[model.name] if r is not replica]
+        if any(r.state not in LEAVING for r in others):
+            await self._retire(model.name, [replica])
+        return False
+
+    async def _retire(self, model: str, replicas: list[Replica]) -> None:
+        """Out of the router first, then drain, then stop."""
+        for replica in replicas:
+            if replica.state in (S.READY, S.PARKING, S.WAKING):
+                replica.set_state(S.DRAINING if replica.state is S.READY else S.STOPPING)
+        await asyncio.gather(*(self._drain(r) for r in replicas))
+        await asyncio.gather(*(self._stop_replica(r) for r in replicas))
+        remaining = [r for r in self.replicas.get(model, []) if r not in replicas]
+        if model in self.replicas:
+            self.replicas[model] = remaining
+
+    async def _drain(self, replica: Replica) -> None:
+        """Waits (up to drain_timeout_s) for the replica's in-flight requests to finish."""
+        backend = replica.backend
+        if not isinstance(backend, Backend):
+            return
+        deadline = time.monotonic() + self.drain_timeout_s
+        while backend.outstanding > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def _transition(self, replica: Replica, old: ReplicaState) -> None:
+        if S.READY in (old, replica.state):
+            self.publish(replica.model, [
+                r.url for r in self.replicas.get(replica.model, []) if r.state is S.READY
+            ])  # fmt: skip
+        if replica.state is S.READY:
+            # Kept so that draining can count its in-flight requests even after the router
+            # dropped it (say, because its model left the config). Taken anew at every READY: a
+            # woken replica's URL comes back to the router as a new backend.
+            replica.backend = self.find_backend(replica.model, replica.url)
+        if self.on_transition is not None:
+            self.on_transition(replica, old)
+
+    # ---- one replica ----
+
+    async def _supervise(self, replica: Replica) -> None:
+        """Start, wait for /ready, watch; restart with backoff after an unexpected exit."""
+        backoff = BACKOFF_BASE_S
+        failed_starts = 0  # restarts in a row that never became ready
+        while True:
+            replica.port = free_port()
+            # Spin-wait is decided here, at every start, from the fleet as configured now
+            # (replica.config follows reloads); a running engine keeps what it started with.
+            replica.spin_wait = replica.config.spin_wait
+            command = die_with_gateway() + engine_command(
+                replica.config, replica.port, self.launcher
+            )
+            log.info("starting engine for %s on port %d", replica.model, replica.port)
+            try:
+                replica.proc = await spawn(command, self.cwd)
+            except OSError as exc:
+                replica.log_tail.append(f"cannot start the engine: {exc}")
+                replica.set_state(S.STARTING)
+                replica.set_state(S.FAILED, str(exc))
+                return
+            replica.backend = None
+            replica.set_state(S.STARTING, f"pid {replica.proc.pid}")
+            output = asyncio.create_task(relay_output(replica.proc, replica.log_tail))
+            ready_at: float | None = None
+            if await self._wait_ready(replica, S.STARTING):
+                ready_at = time.monotonic()
+                replica.set_state(S.READY)
+                log.info("engine for %s ready at %s", replica.model, replica.url)
+            elif replica.state is S.STARTING and replica.proc.returncode is None:
+                log.error("engine for %s not ready after %.0fs; stopping it", replica.model,
+                          self.startup_timeout_s)  # fmt: skip
+                send_signal(replica.proc, signal.SIGKILL)
+            code = await replica.proc.wait()
+            await output
+            state = replica.state
+            if state is S.STOPPING:
+                return  # asked to stop: the stopper finishes the transition
+            if state is S.DRAINING or state is S.PARKED:
+                # retiring, or asleep without requests: no point restarting it now
+                replica.set_state(S.STOPPING, f"exited with {code}")
+                replica.set_state(S.STOPPED)
+                return
+            if state is S.STARTING and replica.restarts == 0:
+                # a first start that fails is a config problem: no loop
+                log.error("engine for %s exited with %s before it was ready", replica.model, code)
+                replica.set_state(S.FAILED, f"exited with {code} before it was ready")
+                return
+            failed_starts = 0 if ready_at is not None else failed_starts + 1
+            if ready_at is not None and time.monotonic() - ready_at > STABLE_AFTER_S:
+                backoff = BACKOFF_BASE_S
+            replica.set_state(S.BACKOFF, f"exited with {code}; restart in {backoff:.1f}s")
+            if failed_starts >= MAX_CRASHES:
+                replica.set_state(S.FAILED, f"{failed_starts} restarts in a row never got ready")
+                return
+            replica.restarts += 1
+            deadline = time.monotonic() + backoff
+            while replica.state is S.BACKOFF and time.monotonic() < deadline:
+                await replica.wait_change(deadline - time.monotonic())
+            if replica.state is not S.BACKOFF:
+                return
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _wait_ready(self, replica: Replica, state: ReplicaState) -> bool:
+        """Polls /ready while the replica stays in ``state`` and its process runs."""
+        assert replica.proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline and replica.proc.returncode is None:
+            if replica.state is not state:
+                return False
+            if await self.client.ready(replica.url):
+                return replica.state is state
+            await asyncio.sleep(READY_POLL_S)
+        return False
+
+    async def _stop_replica(self, replica: Replica) -> None:
+        if replica.state is S.STOPPED:
+            return
+        if replica.state is not S.STOPPING:
+            replica.set_state(S.STOPPING)
+        proc = replica.proc
+        if proc is not None and proc.returncode is None:
+            send_signal(proc, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), self.stop_timeout_s)
+            except TimeoutError:
+                send_signal(proc, signal.SIGKILL)
+                await proc.wait()
+        supervisor = replica.supervisor
+        if supervisor is not None and supervisor is not asyncio.current_task():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(supervisor), 5)
+            supervisor.cancel()
+        if replica.state is S.STOPPING:
+            replica.set_state(S.STOPPED)
