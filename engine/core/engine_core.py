@@ -104,14 +104,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(
-            loaded.tokenizer,
-            self.vocab_size,
-            self.eos_token_ids,
-            CompileSettings(
-                timeout_s=config.structured_compile_timeout_s,
-                cache_memory=config.structured_cache_memory,
-                workers=config.structured_compile_workers,
-            ),
+            loaded.tokenizer, self.vocab_size, self.eos_token_ids, CompileSettings.of(config)
         )
         self._compiling: set[str] = set()  # requests whose grammar is still compiling
         self._grammar_failures: Counter[str] = Counter()

@@ -30,6 +30,7 @@ from typing import Any
 import llguidance
 import llguidance.torch
 
+from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError, ServiceUnavailableError
 from engine.structured.bitmask import allocate_bitmask
 from engine.structured.cache import FAILURE_BYTES, CacheEntry, GrammarCache
@@ -66,6 +67,14 @@ class CompileSettings:
     max_pending: int = 64  # compiles waiting for a worker, beyond which new ones get a 503
     max_entries: int = MAX_CACHED_GRAMMARS
     limits: ConstraintLimits = field(default_factory=ConstraintLimits)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> CompileSettings:
+        return cls(
+            config.structured_compile_timeout_s,
+            config.structured_cache_memory,
+            config.structured_compile_workers,
+        )
 
 
 @dataclass(frozen=True)
