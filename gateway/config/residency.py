@@ -34,6 +34,7 @@ def read_queue(r: Reader) -> HoldQueue:
     queue = HoldQueue(
         max_requests=r.integer("max_requests", d.max_requests, minimum=0),
         max_wait_s=r.duration("max_wait_s", d.max_wait_s),
+        failed_retry_s=r.duration("failed_retry_s", d.failed_retry_s),
     )
     r.finish()
     return queue

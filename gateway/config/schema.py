@@ -125,6 +125,9 @@ class HoldQueue:
 
     max_requests: int = 64
     max_wait_s: float = 120.0
+    # A failed model refuses requests 503 model_failed this long (their Retry-After), then the
+    # next request tries to start it again.
+    failed_retry_s: float = 30.0
 
 
 @dataclass(frozen=True)

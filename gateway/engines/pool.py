@@ -4,11 +4,16 @@ lifecycle driven through its state machine (gateway/engines/replica.py).
 Each replica runs ``python -m engine --model SRC --served-model-name NAME --host 127.0.0.1
 --port N ...`` on a free loopback port. It joins the router when it becomes READY; if its process
 exits unexpectedly it leaves the router and restarts after an exponential backoff (BACKOFF, reset
-once it has served ``STABLE_AFTER_S``). Only starts count towards giving up: after
-``MAX_CRASHES`` restarts in a row that never became ready it is FAILED, with its last log lines,
-until an operator loads it or a config reload replaces it. Crashes while serving never fail it: a
-request can cause them (gateway/proxy/quarantine.py), and one must not take the model down for
-everyone.
+once it has served ``STABLE_AFTER_S``). Only starts that die before READY count towards giving up
+(FAILED, with its last log lines), and how they died decides how soon: an engine that exits by
+itself before it was ever ready has a config problem (a bad path, a bad flag) and is FAILED at
+once; restarts of one that served before, after ``MAX_CRASHES`` such exits since it was last
+ready; starts killed by a signal (the OOM killer on a host packed to its budget, a SIGSEGV, a
+kill -9), which say more about the host than the config, after ``MAX_KILLED_STARTS``. A FAILED
+model is tried again by the residency manager (its first request after the Retry-After), an
+operator's load or a reload.
+Crashes while serving, or while waking, never fail it: a request can cause the former
+(gateway/proxy/quarantine.py), and one must not take the model down for everyone.
 
 A model is *active* when its replicas should serve: pinned models always, on-demand ones while the
 residency manager (gateway/residency) wants them. ``activate`` wakes parked replicas or starts
@@ -42,6 +47,8 @@ from gateway.engines.process import (
     EngineClient,
     die_with_gateway,
     engine_command,
+    exit_reason,
+    exits_soon,
     relay_output,
     send_signal,
     spawn,
@@ -56,7 +63,11 @@ READY_POLL_S = 0.25
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # a replica that served this long without crashing resets its backoff
-MAX_CRASHES = 5  # restarts in a row that never became ready before a replica is FAILED
+# A replica is FAILED after this many starts, since it was last ready, died before READY:
+MAX_CRASHES = 5  # exited by themselves (a replica that was never ready: at the first)
+# killed by a signal. More, as an OOM kill depends on what else runs, which changes within
+# minutes (idle models park): with the backoff doubling from 1 s to 60 s, 10 starts span ~4 min.
+MAX_KILLED_STARTS = 10
 SLEEP_TIMEOUT_S = 120.0  # for POST /sleep and /wake_up (a weight copy, not a load)
 
 
@@ -190,6 +201,8 @@ class EnginePool:
         if status == 200 and await self._wait_ready(replica, S.WAKING):
             replica.set_state(S.READY)
             return True
+        if await exits_soon(replica.proc):
+            return False  # died waking (the OOM killer, a crash): its supervisor restarts it
         log.error("replica %s#%d did not wake (%s): %s", replica.model, replica.index, status, body)
         await self._stop_replica(replica)
         return False
@@ -310,9 +323,12 @@ class EnginePool:
     # ---- one replica ----
 
     async def _supervise(self, replica: Replica) -> None:
-        """Start, wait for /ready, watch; restart with backoff after an unexpected exit."""
+        """Start, wait for /ready, watch; restart with backoff after an unexpected exit, or give
+        up (FAILED) when its starts keep dying before READY (the module's docstring says when)."""
         backoff = BACKOFF_BASE_S
-        failed_starts = 0  # restarts in a row that never became ready
+        served = False  # some start of it became ready: its config works
+        # starts since it was last ready that died before READY: by themselves / by a signal
+        exits = kills = 0
         while True:
             replica.port = free_port()
             # Spin-wait is decided here, at every start, from the fleet as configured now
@@ -333,35 +349,46 @@ class EnginePool:
             replica.set_state(S.STARTING, f"pid {replica.proc.pid}")
             output = asyncio.create_task(relay_output(replica.proc, replica.log_tail))
             ready_at: float | None = None
+            timed_out = False
             if await self._wait_ready(replica, S.STARTING):
                 ready_at = time.monotonic()
+                served = True
                 replica.set_state(S.READY)
                 log.info("engine for %s ready at %s", replica.model, replica.url)
             elif replica.state is S.STARTING and replica.proc.returncode is None:
                 log.error("engine for %s not ready after %.0fs; stopping it", replica.model,
                           self.startup_timeout_s)  # fmt: skip
                 send_signal(replica.proc, signal.SIGKILL)
+                timed_out = True
             code = await replica.proc.wait()
             await output
             state = replica.state
+            how = exit_reason(code)
+            if timed_out:
+                how = f"not ready after {self.startup_timeout_s:.0f}s"
             if state is S.STOPPING:
                 return  # asked to stop: the stopper finishes the transition
             if state is S.DRAINING or state is S.PARKED:
                 # retiring, or asleep without requests: no point restarting it now
-                replica.set_state(S.STOPPING, f"exited with {code}")
+                replica.set_state(S.STOPPING, how)
                 replica.set_state(S.STOPPED)
                 return
-            if state is S.STARTING and replica.restarts == 0:
-                # a first start that fails is a config problem: no loop
-                log.error("engine for %s exited with %s before it was ready", replica.model, code)
-                replica.set_state(S.FAILED, f"exited with {code} before it was ready")
-                return
-            failed_starts = 0 if ready_at is not None else failed_starts + 1
+            if state is not S.STARTING:
+                exits = kills = 0  # it was ready (then crashed, or died parking or waking)
+            elif code < 0 and not timed_out:
+                kills += 1  # our own kill after the timeout is the start's fault, not the host's
+            else:
+                exits += 1
+                if not served:
+                    log.error("engine for %s %s before it was ever ready", replica.model, how)
+                    replica.set_state(S.FAILED, f"{how} before it was ever ready")
+                    return
             if ready_at is not None and time.monotonic() - ready_at > STABLE_AFTER_S:
                 backoff = BACKOFF_BASE_S
-            replica.set_state(S.BACKOFF, f"exited with {code}; restart in {backoff:.1f}s")
-            if failed_starts >= MAX_CRASHES:
-                replica.set_state(S.FAILED, f"{failed_starts} restarts in a row never got ready")
+            replica.set_state(S.BACKOFF, f"{how}; restart in {backoff:.1f}s")
+            if exits >= MAX_CRASHES or kills >= MAX_KILLED_STARTS:
+                died = f"exited {exits}" if exits >= MAX_CRASHES else f"killed {kills}"
+                replica.set_state(S.FAILED, f"starts {died} times before READY (last: {how})")
                 return
             replica.restarts += 1
             deadline = time.monotonic() + backoff

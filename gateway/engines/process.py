@@ -1,6 +1,7 @@
 """An engine process as the pool runs it: its command line, spawning it so that it dies with the
 gateway, relaying its output (and keeping the last lines for ``/admin/models``), signalling it,
-and the engine endpoints the pool calls (``/ready``, ``/status``, ``/sleep``, ``/wake_up``)."""
+telling how it ended (a signal, or its own exit), and the engine endpoints the pool calls
+(``/ready``, ``/status``, ``/sleep``, ``/wake_up``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections import deque
 from dataclasses import replace
 from typing import Any
@@ -19,6 +21,7 @@ from common.engine_args import EngineArgs
 from gateway.config import ModelConfig
 
 ENGINE_LAUNCHER = (sys.executable, "-m", "engine")
+CRASH_NOTICE_S = 0.5  # how long an engine's exit may take to show after its connections dropped
 
 # Linux: engines must not outlive a gateway that dies without cleaning up (SIGKILL, OOM killer).
 # A tiny exec wrapper asks the kernel to SIGKILL the child when its parent dies
@@ -116,6 +119,27 @@ def has_exited(proc: asyncio.subprocess.Process | None) -> bool:
             return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
     except (OSError, IndexError):
         return False  # no procfs: trust returncode
+
+
+def exit_reason(returncode: int) -> str:
+    """How a process ended, for logs and transitions: asyncio's returncode is ``-N`` for a
+    process killed by signal N (WIFSIGNALED), its exit status otherwise."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    with contextlib.suppress(ValueError):
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"killed by signal {-returncode}"
+
+
+async def exits_soon(proc: asyncio.subprocess.Process | None) -> bool:
+    """Whether the process is gone within ``CRASH_NOTICE_S``: asked after a connection to it
+    dropped, which comes a moment before its exit shows (the kernel closes its sockets first)."""
+    deadline = time.monotonic() + CRASH_NOTICE_S
+    while not has_exited(proc):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 class EngineClient:

@@ -7,9 +7,12 @@
                   │          └─► DRAINING ─► STOPPING ─► STOPPED
                   ├─► FAILED      (every running state ─► BACKOFF ─► STARTING after a crash)
 
-BACKOFF ─► FAILED only for a replica whose restarts keep dying before READY (the pool's
-``MAX_CRASHES`` in a row): a crash while serving is restarted however often it happens, since a
-request may have caused it.
+STARTING ─► FAILED for an engine that exits by itself before it was ever ready (a config problem);
+one killed by a signal (the OOM killer) goes to BACKOFF and is started again. BACKOFF ─► FAILED
+only for a replica whose starts keep dying before READY (the pool's ``MAX_CRASHES`` exits or
+``MAX_KILLED_STARTS`` kills since it last was): a crash while serving is restarted however often
+it happens, since a request may have caused it. FAILED ─► STOPPING is how a failed model is tried
+again (a new replica, once its Retry-After has passed: gateway/residency/manager.py).
 
 Only READY takes requests: the router is told the READY replicas of a model on every transition
 (the one setter, :meth:`Replica.set_state`, which also logs it and reports it to the metrics). A
@@ -44,8 +47,9 @@ class ReplicaState(enum.Enum):
     WAKING = "waking"  # POST /wake_up sent
     DRAINING = "draining"  # out of the router, finishing its requests before it stops
     STOPPING = "stopping"  # SIGTERM sent (SIGKILL after stop_timeout_s)
-    BACKOFF = "backoff"  # crashed; restarts after an exponential backoff
-    # would not start, or its restarts kept dying before READY: waits for an operator or a reload
+    BACKOFF = "backoff"  # crashed or killed; restarts after an exponential backoff
+    # would not start, or its starts kept dying before READY: no process, replaced by a new replica
+    # at the model's next try (a request after its Retry-After, an operator's load, a reload)
     FAILED = "failed"
 
 

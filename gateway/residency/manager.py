@@ -1,7 +1,9 @@
 """The residency manager: loads on-demand models at their first request, parks them after
 ``idle_ttl_s`` without requests, and makes room within the memory budget (plan.py) when a model
 must load; requests wait for it in its hold line (hold.py), which also covers a model whose
-replicas are restarting after a crash.
+replicas are restarting after a crash. A failed model answers 503 ``model_failed`` until its
+``queue.failed_retry_s`` has passed (the Retry-After it sends), then the next request starts it
+again, once: the requests that come meanwhile are held as for any load.
 
 Every eviction (to make room, after the idle TTL, or an operator's park or unload) goes through
 ``evict``, which counts it and drives the engine pool (``put_to_sleep`` or ``deactivate``; loads
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from gateway.backend import Backend
 from gateway.config import FleetConfig, MemoryBudget, ModelConfig
 from gateway.engines.pool import EnginePool
-from gateway.engines.process import has_exited
+from gateway.engines.process import CRASH_NOTICE_S, exits_soon, has_exited
 from gateway.engines.replica import Replica, ReplicaState
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.failures import UpstreamFailure
@@ -44,7 +47,6 @@ _MODEL_STATE_ORDER = (
     S.READY, S.WAKING, S.STARTING, S.BACKOFF, S.PARKING, S.PARKED, S.DRAINING, S.STOPPING, S.FAILED,
 )  # fmt: skip
 PLAN_RETRY_S = 0.25  # a load waiting for room looks again this often
-CRASH_NOTICE_S = 0.5
 
 
 @dataclass
@@ -57,6 +59,7 @@ class ModelResidency:
     loading: asyncio.Task[UpstreamFailure | None] | None = None
     reserved: bool = False  # its load has room: counted awake until it is (or failed)
     unloads: int = 0  # operator unloads so far: a load that saw one did not fail
+    retry_at: float = 0.0  # when its last replica failure allows a request to try it again
 
 
 class ResidencyManager:
@@ -148,9 +151,12 @@ class ResidencyManager:
         if await self._replicas_up(route.name, tried):
             return
         states = self.pool.states(route.name)
-        if self.model_state(route.name) == "failed":
-            self._refused(route.name, "model_failed")
-            raise self._failed(route.name)
+        trying = res.loading is not None and not res.loading.done()
+        if self.model_state(route.name) == "failed" and not trying:
+            if time.monotonic() < res.retry_at:
+                self._refused(route.name, "model_failed")
+                raise self._failed(res)
+            log.info("model %s failed, and its Retry-After has passed: trying again", route.name)
         if not any(s in COMING for s in states):
             self.ensure_loaded(route.name)
         depth = self.metrics.child(self.metrics.hold_depth, route.name)
@@ -179,11 +185,14 @@ class ResidencyManager:
     def _refused(self, name: str, reason: str) -> None:
         self.metrics.child(self.metrics.hold_refused, name, reason).inc()
 
-    def _failed(self, name: str) -> UpstreamFailure:
+    def _failed(self, res: ModelResidency) -> UpstreamFailure:
+        """The refusal of a failed model: its Retry-After is when a request may try it again."""
+        wait_s = res.retry_at - time.monotonic()
         return refusal(
             "model_failed",
-            f"Model '{name}' failed to start; an operator can see why in /admin/models.",
-            retry_after_s=30,
+            f"Model '{res.config.name}' failed to start; a request after Retry-After tries it "
+            "again, and an operator can see why in /admin/models.",
+            retry_after_s=max(1, math.ceil(wait_s)),
         )
 
     def _unloaded(self, name: str) -> UpstreamFailure:
@@ -202,12 +211,7 @@ class ResidencyManager:
         if replica is None:
             return False
         proc = replica.proc  # this one: a restart after its backoff spawns another
-        deadline = time.monotonic() + CRASH_NOTICE_S
-        while not has_exited(proc):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.02)
-        return replica.state not in (S.STOPPING, S.STOPPED)
+        return await exits_soon(proc) and replica.state not in (S.STOPPING, S.STOPPED)
 
     # ---- loading ----
 
@@ -246,8 +250,8 @@ class ResidencyManager:
                 asyncio.get_running_loop().call_soon(self._load_again, name)
             return self._unloaded(name)
         if room and not any(s in COMING for s in self.pool.states(name)):
-            res.hold.refuse(lambda: self._failed(name))
-        return self._failed(name)
+            res.hold.refuse(lambda: self._failed(res))
+        return self._failed(res)
 
     def _load_again(self, name: str) -> None:
         if name in self.models:
@@ -381,8 +385,10 @@ class ResidencyManager:
             self._spawn(self._measure(replica, awake=True))
         elif new is S.PARKED:
             self._spawn(self._measure(replica, awake=False))
-        elif new is S.FAILED and not any(s in COMING for s in self.pool.states(replica.model)):
-            res.hold.refuse(lambda: self._failed(replica.model))
+        elif new is S.FAILED:
+            res.retry_at = time.monotonic() + res.config.queue.failed_retry_s
+            if not any(s in COMING for s in self.pool.states(replica.model)):
+                res.hold.refuse(lambda: self._failed(res))
         self._report_memory()
 
     async def _measure(self, replica: Replica, awake: bool) -> None:

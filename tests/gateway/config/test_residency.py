@@ -39,7 +39,7 @@ def test_given_values_are_read(base):
                 idle_ttl_s=30,
                 priority=5,
                 memory_estimate="1GiB",
-                queue={"max_requests": 3, "max_wait_s": 2.5},
+                queue={"max_requests": 3, "max_wait_s": 2.5, "failed_retry_s": 1.5},
             )
         ],
         gateway={"memory": {"cpu_bytes": "8GiB", "gpu_fraction": 0.5, "park": False}},
@@ -49,7 +49,7 @@ def test_given_values_are_read(base):
     model = config.models[0]
     assert model.on_demand and (model.idle_ttl_s, model.priority) == (30.0, 5)
     assert model.memory_estimate == 2**30
-    assert model.queue == HoldQueue(max_requests=3, max_wait_s=2.5)
+    assert model.queue == HoldQueue(max_requests=3, max_wait_s=2.5, failed_retry_s=1.5)
 
 
 def test_cpu_budget_auto_means_a_share_of_ram():
@@ -98,6 +98,7 @@ def test_memory_estimate_is_local_only():
     [
         ({"max_requests": -1}, "queue.max_requests: must be >= 0"),
         ({"max_wait_s": 0}, "queue.max_wait_s: must be > 0"),
+        ({"failed_retry_s": 0}, "queue.failed_retry_s: must be > 0"),
         ({"depth": 3}, "queue.depth: unknown key"),
     ],
 )
