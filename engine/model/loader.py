@@ -1,8 +1,9 @@
 """Load a causal LM and its tokenizer from a local HF folder or a GGUF file, offline.
 
-GGUF files are parsed and dequantised by transformers, which is slow, so the first load writes a
-converted copy (safetensors + config + tokenizer) into a cache keyed by the file's sha256; later
-loads read that copy, many times faster (figures: docs/PERFORMANCE.md#model-loading).
+A GGUF's weights are read from the file itself at every start (engine.model.cpu.gguf_weights:
+the blocks the narrow kernels read stay as the file holds them, the rest is dequantised). Its
+config and tokenizer, which transformers takes seconds to build from the file's metadata (a
+262,144-token vocabulary for Gemma), are written once into a cache keyed by the file's sha256.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.file_hash import file_sha256
 from engine.model.cache_dir import cache_root
+from engine.model.cpu.gguf_weights import GgufWeights
 from engine.model.cpu.linear import native_bf16
-from engine.model.cpu.narrow_weights import check_quantization
+from engine.model.cpu.narrow_weights import check_quantization, narrow_mode
 from engine.model.model_source import split_source
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,10 @@ class LoadedModel:
     head_dim: int
     max_position_embeddings: int | None
     vocab_size: int
-    source: str  # the folder transformers actually read (the cache copy for GGUF files)
+    source: str  # the folder of the config and tokenizer (the cache copy for GGUF files)
+    # a GGUF's weights, whose blocks narrow_weights takes on the CPU (None once taken, off the
+    # CPU or not a GGUF)
+    gguf: GgufWeights | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,7 +109,7 @@ def _write_atomic_text(path: Path, text: str) -> None:
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
-    """The cached HF-format copy of ``gguf_path``, converting (once) when it is missing."""
+    """The cached config and tokenizer of ``gguf_path``, converting (once) when missing."""
     root = cache_root()
     index = root / "gguf-index" / f"{_stat_key(gguf_path)}.json"
     sha = _read_index(index)
@@ -130,29 +135,41 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         )
     folder, name = gguf_path.parent, gguf_path.name
     try:
-        _check_causal_lm(AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True))
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        _check_causal_lm(hf_config)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, local_files_only=True, dtype=torch.float32
-        )
     except ModelLoadError:
         raise
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load GGUF file {str(gguf_path)!r}: {exc}") from exc
-    # The weights are dequantised already; drop the GGUF marker so save_pretrained writes them.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    if hasattr(hf_config, "quantization_config"):  # the weights come from the file, as they are
+        del hf_config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        model.save_pretrained(tmp)
+        hf_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)  # atomic: readers see no copy or a complete one
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").is_file():  # another process may have won the race
             raise
+
+
+def _gguf_model(
+    gguf_path: Path, hf_config: PretrainedConfig, keep_blocks: bool
+) -> tuple[PreTrainedModel, GgufWeights]:
+    """The model of ``gguf_path``, built on the meta device and filled from the file (fp32),
+    and the GgufWeights that reads it; with ``keep_blocks``, the weights the narrow kernels read
+    stay on the meta device for narrow_weights to take from it."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    try:
+        weights = GgufWeights(gguf_path, model)
+        weights.load(model, keep_blocks)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise ModelLoadError(f"cannot load the weights of {str(gguf_path)!r}: {exc}") from exc
+    return model, weights
 
 
 def _check_causal_lm(hf_config: PretrainedConfig) -> None:
@@ -210,8 +227,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = cpu_weight_dtype(config, device, resolve_dtype(config.dtype, device))
     check_quantization(config, device, dtype)
     folder, gguf_name = split_source(config.model, config.gguf_file)
+    gguf_path = folder / gguf_name if gguf_name else None
     try:
-        source = converted_gguf_dir(folder / gguf_name) if gguf_name else folder
+        source = converted_gguf_dir(gguf_path) if gguf_path else folder
     except OSError as exc:
         raise ModelLoadError(
             f"cannot cache the converted GGUF under {str(cache_root())!r} ({exc}); "
@@ -227,14 +245,26 @@ def load_model(config: EngineConfig) -> LoadedModel:
     except (ValueError, OSError, KeyError) as exc:
         raise ModelLoadError(f"cannot read the model config in {str(source)!r}: {exc}") from exc
     _check_causal_lm(hf_config)
+    gguf_weights = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, local_files_only=True, dtype=dtype, config=hf_config
-        )
+        if gguf_path is not None:
+            keep_blocks = device.type == "cpu" and narrow_mode(config, dtype) == "gguf"
+            model, gguf_weights = _gguf_model(gguf_path, hf_config, keep_blocks)
+            if device.type != "cpu":  # the narrow formats are the CPU's: all dense
+                gguf_weights.materialize(model)
+                gguf_weights = None
+            if dtype != torch.float32:
+                model.to(dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, local_files_only=True, dtype=dtype, config=hf_config
+            )
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load the model in {str(source)!r}: {exc}") from exc
-    model.to(device).eval().requires_grad_(False)
+    if device.type != "cpu":  # on the CPU already, weights the narrow path takes still on meta
+        model.to(device)
+    model.eval().requires_grad_(False)
     text = _text_config(model.config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return LoadedModel(
@@ -250,4 +280,5 @@ def load_model(config: EngineConfig) -> LoadedModel:
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
         vocab_size=text.vocab_size,
         source=str(source),
+        gguf=gguf_weights,
     )

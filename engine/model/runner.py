@@ -13,7 +13,6 @@ import contextlib
 import inspect
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,9 +61,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.profile = StepProfile()  # off: benchmarks turn it on (engine.model.step_profile)
         # CPU: thread count and prepacked linears (None on other devices)
-        self.cpu = prepare_cpu_fast_path(
-            self.model, self.device, loaded.dtype, config, Path(loaded.source)
-        )
+        self.cpu = prepare_cpu_fast_path(loaded, config)
         use_paged_attention(self.model)
         # Chosen once; every step's StepContext carries it to the attention calls.
         self.attention_backend = select_backend(self.device)

@@ -158,4 +158,4 @@ def test_smollm2_gguf_converts_once_then_loads_fast(
     for (name, a), (_, b) in zip(
         first.model.state_dict().items(), second.model.state_dict().items(), strict=True
     ):
-        assert torch.equal(a, b), name
+        assert a.is_meta == b.is_meta and (a.is_meta or torch.equal(a, b)), name

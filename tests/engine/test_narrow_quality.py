@@ -36,7 +36,7 @@ def _scores(quantization: str) -> tuple[float, torch.Tensor]:
     """(perplexity, argmax per position) of the model under ``quantization``."""
     config = EngineConfig(model=str(SMOLLM2_GGUF), quantization=quantization, num_threads=2)
     loaded = load_model(config)
-    fast = prepare_cpu_fast_path(loaded.model, loaded.device, loaded.dtype, config)
+    fast = prepare_cpu_fast_path(loaded, config)
     assert (fast.narrow is None) == (quantization == "none")
     ids = torch.tensor(loaded.tokenizer(TEXT.read_text()).input_ids[:TOKENS])
     assert len(ids) == TOKENS

@@ -18,7 +18,6 @@ from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
 from engine.model.cpu.lean_forward import LeanLlamaForward
 from engine.model.cpu.narrow_weights import check_quantization
 from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
-from engine.model.cpu.quantize import GgufBlocks
 from engine.model.loader import load_model
 from tests.conftest import SMOLLM2_GGUF
 
@@ -29,7 +28,7 @@ needs_smollm2 = pytest.mark.skipif(not SMOLLM2_GGUF.exists(), reason="SmolLM2 GG
 def _prepared(model: str, quantization: str):
     config = EngineConfig(model=model, quantization=quantization, num_threads=2)
     loaded = load_model(config)
-    return loaded, prepare_cpu_fast_path(loaded.model, loaded.device, loaded.dtype, config)
+    return loaded, prepare_cpu_fast_path(loaded, config)
 
 
 def _linears(model: nn.Module) -> dict[str, int]:
@@ -66,21 +65,6 @@ def test_smollm2_gguf_loads_its_own_blocks(quantization, native, quantized, form
     # every linear is narrow (q/k/v and gate/up fused: 4 GEMMs a layer, plus the lm_head)
     assert sum(_linears(model).values()) == 30 * 4 + 1
     assert LeanLlamaForward.build(model) is not None
-
-
-@needs_smollm2
-def test_gguf_blocks_must_reproduce_the_loaded_weight():
-    """A block tensor is taken only where it dequantises to the very weight transformers loaded
-    (here its q/k rows un-permuted); a weight that differs stays dense."""
-    loaded = load_model(EngineConfig(model=str(SMOLLM2_GGUF), quantization="none"))
-    blocks = GgufBlocks(SMOLLM2_GGUF, 30)
-    q = loaded.model.model.layers[3].self_attn.q_proj.weight.detach()
-    name = ["model.layers.3.self_attn.q_proj.weight"]
-    found = blocks.weight(name, q, (9, 3))
-    assert found is not None and torch.equal(found.dequantize(), q)
-    changed = q.clone()
-    changed[0, 0] += 1e-3
-    assert blocks.weight(name, changed, (9, 3)) is None
 
 
 def test_hf_folders_stay_dense_unless_asked(tiny_llama_dir):
@@ -166,9 +150,7 @@ def test_narrow_weights_are_cached_per_checkpoint_and_mode(
 
     def prepared():
         loaded = load_model(config)
-        fast = prepare_cpu_fast_path(
-            loaded.model, loaded.device, loaded.dtype, config, tiny_llama_dir
-        )
+        fast = prepare_cpu_fast_path(loaded, config)
         packed = {n: b.clone() for n, b in loaded.model.named_buffers() if n.endswith("packed")}
         return fast.narrow, packed
 

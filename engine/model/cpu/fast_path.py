@@ -29,6 +29,7 @@ from engine.model.cpu.linear import prepack_linears, prepack_supported
 from engine.model.cpu.narrow_weights import narrow_weights
 from engine.model.cpu.quantize import QuantizedModel
 from engine.model.cpu.threads import split_threads
+from engine.model.loader import LoadedModel
 
 # torch parallelises an elementwise op from this many elements (at::internal::GRAIN_SIZE).
 _ELEMENTWISE_GRAIN = 32768
@@ -72,21 +73,17 @@ class CpuFastPath:
         return LeanLlamaForward.build(self._model)
 
 
-def prepare_cpu_fast_path(
-    model: nn.Module,
-    device: torch.device,
-    dtype: torch.dtype,
-    config: EngineConfig,
-    source: Path | None = None,
-) -> CpuFastPath | None:
-    """Ready ``model`` (loaded on ``device`` in ``dtype``, from the folder ``source``: its narrow
-    weights are cached) for CPU speed; None off the CPU."""
-    if device.type != "cpu":
+def prepare_cpu_fast_path(loaded: LoadedModel, config: EngineConfig) -> CpuFastPath | None:
+    """Ready ``loaded``'s model for CPU speed (its narrow weights cached by its source folder,
+    a GGUF's blocks taken from ``loaded.gguf``, which is then cleared); None off the CPU."""
+    if loaded.device.type != "cpu":
         return None
+    model, dtype = loaded.model, loaded.dtype
     threads = max(1, config.num_threads or len(os.sched_getaffinity(0)))
     torch.set_num_threads(threads)
-    narrow = narrow_weights(model, dtype, config, source)
+    gguf, loaded.gguf = loaded.gguf, None  # its blocks become the model's
+    narrow = narrow_weights(model, dtype, config, Path(loaded.source), gguf)
     num_prepacked = 0
-    if prepack_supported(device, dtype):
+    if prepack_supported(loaded.device, dtype):
         num_prepacked = prepack_linears(model, batch_size_hint=config.max_num_seqs)
     return CpuFastPath(model, threads, num_prepacked, narrow)

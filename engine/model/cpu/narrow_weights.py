@@ -14,6 +14,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model.cpu import narrow_cache
+from engine.model.cpu.gguf_weights import GgufWeights
 from engine.model.cpu.kernels import quant_gemm
 from engine.model.cpu.quantize import QuantizedModel, quantize_model
 from engine.model.host_memory import trim_heap
@@ -80,7 +81,7 @@ def check_quantization(config: EngineConfig, device: torch.device, dtype: torch.
         )
 
 
-def _mode(config: EngineConfig, dtype: torch.dtype) -> str | None:
+def narrow_mode(config: EngineConfig, dtype: torch.dtype) -> str | None:
     """quantize_model's mode for this engine, or None for dense weights."""
     if config.quantization in ("int8", "int4"):
         return config.quantization
@@ -90,12 +91,33 @@ def _mode(config: EngineConfig, dtype: torch.dtype) -> str | None:
 
 
 def narrow_weights(
-    model: nn.Module, dtype: torch.dtype, config: EngineConfig, source: Path | None = None
+    model: nn.Module,
+    dtype: torch.dtype,
+    config: EngineConfig,
+    source: Path | None = None,
+    gguf: GgufWeights | None = None,
 ) -> QuantizedModel | None:
-    """Put ``model``'s weights on the formats ``config.quantization`` asks for, checked on a
-    probe against the dense model; None when it keeps dense weights. ``source``: the folder the
-    model was loaded from, whose narrow weights are cached (engine.model.cpu.narrow_cache)."""
-    mode = _mode(config, dtype)
+    """Put ``model``'s weights on the formats ``config.quantization`` asks for; None when it
+    keeps dense weights. ``gguf``: the file's weights, whose blocks go in as they are (in
+    ``gguf`` mode the model is then the file's, and nothing is left to check); int8 / int4 are
+    checked on a probe against the dense model. ``source``: the folder the model was loaded
+    from, whose int8 / int4 weights are cached (engine.model.cpu.narrow_cache)."""
+    try:
+        return _narrow_weights(model, dtype, config, source, gguf)
+    finally:
+        if gguf is not None:
+            gguf.materialize(model)  # what stayed dense, or everything where nothing went narrow
+        trim_heap()  # the dense weights just freed, back to the OS
+
+
+def _narrow_weights(
+    model: nn.Module,
+    dtype: torch.dtype,
+    config: EngineConfig,
+    source: Path | None,
+    gguf: GgufWeights | None,
+) -> QuantizedModel | None:
+    mode = narrow_mode(config, dtype)
     if mode is None:
         return None
     lib = quant_gemm.library()
@@ -109,18 +131,19 @@ def narrow_weights(
             param="quantization",
         )
     started = time.monotonic()
+    native = gguf.native if gguf is not None else None
+    if mode == "gguf":
+        report = quantize_model(model, mode, native, lib)
+        _log_report(lib, report, None, started)
+        return report if report.native else None
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(vocab, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(0))
     reference = probe_logits(model, ids)
     cache = narrow_cache.cache_path(source, mode) if source else None
-    report = quantize_model(model, mode, gguf_source(config), lib, cache)
-    trim_heap()  # the dense weights just freed, back to the OS
+    report = quantize_model(model, mode, native, lib, cache)
     if not report.native and not report.quantized:
         return None
     probe = compare_probe(reference, probe_logits(model, ids))
-    sizes = ", ".join(
-        f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in report.bytes_by_format.items()
-    )
     if not probe.ok:
         raise ModelLoadError(
             f"--quantization {config.quantization}: the narrow model's top token agrees with the "
@@ -128,16 +151,31 @@ def narrow_weights(
             f"{PROBE_MIN_TOP1:.0%} needed); use --quantization none",
             param="quantization",
         )
+    _log_report(lib, report, probe, started)
+    return report
+
+
+def _log_report(
+    lib: object, report: QuantizedModel, probe: ProbeResult | None, started: float
+) -> None:
+    sizes = ", ".join(
+        f"{fmt} {size / 2**20:.0f} MiB" for fmt, size in report.bytes_by_format.items()
+    )
+    checked = (
+        "the file's own blocks"
+        if probe is None
+        else (
+            f"probe top-1 agreement {100 * probe.top1_agreement:.0f}%, max |logit diff| "
+            f"{probe.max_error:.1e} of the largest"
+        )
+    )
     log.info(
-        "narrow weights (%s kernels): %d from the file's blocks, %d quantised%s; %s; probe "
-        "top-1 agreement %.0f%%, max |logit diff| %.1e of the largest; %.1fs",
+        "narrow weights (%s kernels): %d from the file's blocks, %d quantised%s; %s; %s; %.1fs",
         quant_gemm.isa(lib),
         report.native,
         report.quantized,
         " (both read from the cache)" if report.cached else " at load",
         sizes,
-        100 * probe.top1_agreement,
-        probe.max_error,
+        checked,
         time.monotonic() - started,
     )
-    return report

@@ -12,7 +12,11 @@ A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, by
 the scales, then (int4) the offsets, then the integers (int4: 16 bytes a block, the low nibbles
 elements 0-15 and the high nibbles 16-31, GGUF's order). Records of the same K concatenate, so
 fused projections are a torch.cat; rows permute with an index (kernels/quant_gemm.c reads them).
-GGUF stores the scales in fp16; widening them to fp32 is exact.
+
+GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 and Q5_0 (``d * (q - 16)``,
+q 5 bits) in int8; Q4_1, Q4_0 and Q4_K in int4, whose super-blocks of 256 carry 6-bit scales
+and offsets per 32 (``d * sc * q - dmin * m``: d * sc and dmin * m are exact in fp32, being
+fp16 times 6-bit integers). GGUF stores its scales in fp16; widening them to fp32 is exact.
 """
 
 from __future__ import annotations
@@ -24,8 +28,14 @@ import torch
 
 BLOCK = 32
 FORMATS = ("int8", "int4")
-# GGUF block types that load into a format as they are: (format, bytes per block).
-GGUF_BLOCKS = {"Q8_0": ("int8", 34), "Q4_1": ("int4", 20), "Q4_0": ("int4", 18)}
+# GGUF block types that load into a format as they are: (format, elements and bytes per block).
+GGUF_BLOCKS = {
+    "Q8_0": ("int8", 32, 34),
+    "Q5_0": ("int8", 32, 22),
+    "Q4_1": ("int4", 32, 20),
+    "Q4_0": ("int4", 32, 18),
+    "Q4_K": ("int4", 256, 144),
+}
 
 
 def record_bytes(fmt: str, k: int) -> int:
@@ -111,13 +121,53 @@ def _records(n: int, parts: list[torch.Tensor]) -> torch.Tensor:
 def from_gguf_blocks(block_type: str, raw: np.ndarray, k: int) -> QuantizedWeight:
     """A GGUF tensor's raw blocks (``raw`` [N, bytes per row] uint8, as gguf's reader maps them)
     in the format that holds them exactly."""
-    fmt, block_bytes = GGUF_BLOCKS[block_type]
+    fmt, elements, block_bytes = GGUF_BLOCKS[block_type]
     n = raw.shape[0]
-    blocks = torch.from_numpy(np.array(raw)).view(n, k // BLOCK, block_bytes)  # a writable copy
-    scale = blocks[..., :2].contiguous().view(torch.float16).float()
+    blocks = torch.from_numpy(np.array(raw)).view(n, k // elements, block_bytes)  # a writable copy
+    scale = _fp16(blocks[..., :2])
     if block_type == "Q8_0":
         return QuantizedWeight(fmt, k, _records(n, [scale, blocks[..., 2:]]))
+    if block_type == "Q5_0":
+        return QuantizedWeight(fmt, k, _records(n, [scale, _q5_0_values(blocks)]))
     if block_type == "Q4_1":
-        offset = blocks[..., 2:4].contiguous().view(torch.float16).float()
-        return QuantizedWeight(fmt, k, _records(n, [scale, offset, blocks[..., 4:]]))
-    return QuantizedWeight(fmt, k, _records(n, [scale, -8.0 * scale, blocks[..., 2:]]))
+        return QuantizedWeight(
+            fmt, k, _records(n, [scale, _fp16(blocks[..., 2:4]), blocks[..., 4:]])
+        )
+    if block_type == "Q4_0":
+        return QuantizedWeight(fmt, k, _records(n, [scale, -8.0 * scale, blocks[..., 2:]]))
+    return _q4_k(blocks, n, k)
+
+
+def _fp16(pairs: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes read as fp16, widened to fp32 [..., 1]."""
+    return pairs.contiguous().view(torch.float16).float()
+
+
+def _q5_0_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0's integers q - 16 as int8 [n, blocks, 32]: the low 4 bits in nibbles (elements 0-15
+    low, 16-31 high), the fifth bits in a little-endian uint32."""
+    high = blocks[..., 2:6].contiguous().view(torch.int32)  # [n, blocks, 1]
+    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
+    nibbles = blocks[..., 6:].to(torch.int32)
+    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
+    return (low | (bits << 4)).sub(16).to(torch.int8)
+
+
+def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    """Q4_K super-blocks [n, k / 256, 144] (d, dmin fp16; 12 bytes of 6-bit scales and mins for
+    8 sub-blocks; 128 bytes of nibbles, 32 per pair of sub-blocks: low nibbles the first's 32,
+    high the second's) as int4 records: per sub-block scale d * sc, offset -dmin * m."""
+    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+    packed = blocks[..., 4:16].to(torch.int32)
+    sc = torch.cat(
+        [packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], -1
+    )
+    m = torch.cat(
+        [packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1
+    )
+    scale = (d * sc.float()).reshape(n, k // BLOCK, 1)
+    offset = (-(dmin * m.float())).reshape(n, k // BLOCK, 1)
+    qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
+    values = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, k // BLOCK, BLOCK)
+    nibbles = values[..., : BLOCK // 2] | (values[..., BLOCK // 2 :] << 4)
+    return QuantizedWeight("int4", k, _records(n, [scale, offset, nibbles]))

@@ -62,14 +62,20 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedEmbedding(nn.Module):
     """An embedding table held as a QuantizedWeight (one record per token); lookups return fp32
-    rows, or ``dtype`` rows."""
+    rows, or ``dtype`` rows, times ``scale`` where given (Gemma scales its embeddings)."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        dtype: torch.dtype = torch.float32,
+        scale: float | None = None,
+    ) -> None:
         super().__init__()
         self.fmt = weight.fmt
         self.embedding_dim = weight.in_features
         self.num_embeddings = weight.out_features
         self.dtype = dtype
+        self.scale = scale
         self.register_buffer("records", weight.records, persistent=False)
 
     @property
@@ -78,6 +84,8 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.quantized.dequantize(ids.reshape(-1))
+        if self.scale is not None:
+            rows = rows * self.scale
         return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:

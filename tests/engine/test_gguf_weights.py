@@ -1,0 +1,104 @@
+"""A GGUF's weights come from the file as it holds them: each block type a narrow format holds
+(Q8_0, Q5_0 -> int8; Q4_0, Q4_1, Q4_K -> int4) reproduces gguf's own dequantisation bit for bit,
+and a whole model loaded from the file equals the one transformers builds by dequantising every
+tensor (its weights on narrow records where the file's blocks allow, in the same row order)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize
+from gguf import quantize as gguf_quantize
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.model.cpu.fast_path import prepare_cpu_fast_path
+from engine.model.cpu.quant_formats import GGUF_BLOCKS, from_gguf_blocks
+from engine.model.cpu.quant_linear import QuantizedEmbedding
+from engine.model.loader import load_model
+from tests.conftest import REPO_ROOT, SMOLLM2_GGUF
+
+GEMMA_GGUF = REPO_ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
+ROWS, K = 24, 512
+
+
+def _random_blocks(block_type: str, rng: np.random.Generator) -> np.ndarray:
+    """[ROWS, bytes] of valid blocks: gguf's quantiser where it has one, else random bytes with
+    finite fp16 scales (Q4_K: d and dmin, then 6-bit scales/mins and nibbles, all bit patterns
+    valid)."""
+    qtype = GGMLQuantizationType[block_type]
+    if block_type != "Q4_K":
+        return gguf_quantize(rng.standard_normal((ROWS, K)).astype(np.float32), qtype)
+    _, elements, size = GGUF_BLOCKS[block_type]
+    blocks = rng.integers(0, 256, (ROWS, K // elements, size), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 1e-2, (ROWS, K // elements, 2)).astype(np.float16)
+    blocks[..., :4] = scales.view(np.uint8).reshape(ROWS, K // elements, 4)
+    return blocks.reshape(ROWS, -1)
+
+
+@pytest.mark.parametrize("block_type", sorted(GGUF_BLOCKS))
+def test_each_block_type_loads_bit_exact(block_type):
+    raw = _random_blocks(block_type, np.random.default_rng(len(block_type)))
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[block_type]).copy())
+    weight = from_gguf_blocks(block_type, raw, K)
+    assert weight.fmt == GGUF_BLOCKS[block_type][0]
+    assert torch.equal(weight.dequantize(), reference)
+    index = torch.tensor([5, 0, 23])
+    assert torch.equal(weight.dequantize(index), reference[index])
+
+
+def _needs(path: Path) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(not path.exists(), reason=f"{path.name} not fetched")
+
+
+@pytest.mark.parametrize(
+    "path, native_types",
+    [
+        pytest.param(SMOLLM2_GGUF, {"Q8_0", "Q4_1"}, marks=_needs(SMOLLM2_GGUF)),
+        pytest.param(GEMMA_GGUF, {"Q8_0", "Q5_0", "Q4_K"}, marks=_needs(GEMMA_GGUF)),
+    ],
+    ids=["smollm2-q4_1", "gemma3-q4_k_m"],
+)
+def test_real_files_load_as_transformers_dequantises_them(path, native_types):
+    """Against transformers' own GGUF loading (every tensor dequantised to fp32): the tensors
+    left dense are equal, each block tensor's records dequantise to the very same weight (Llama's
+    q/k rows in transformers' order), and what no format holds (Gemma's Q6_K) stays dense."""
+    import gguf
+
+    config = EngineConfig(model=str(path), num_threads=2)
+    loaded = load_model(config)
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).state_dict()
+    ours = loaded.model.state_dict()
+    assert ours.keys() == reference.keys()
+    meta = {name for name, tensor in ours.items() if tensor.is_meta}
+    for name in ours.keys() - meta:
+        assert torch.equal(ours[name], reference[name]), name
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    by_hf = {hf: name for name, hf in loaded.gguf._hf_names.items() if name in types}
+    tied: dict[int, list[str]] = {}  # a tied weight's names (the embedding's and the head's)
+    for name, param in loaded.model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    seen = set()
+    for names in (names for names in tied.values() if names[0] in meta):
+        weight = loaded.gguf.native(names)
+        assert weight is not None, names
+        assert all(torch.equal(weight.dequantize(), reference[n]) for n in names), names
+        seen.add(next(types[by_hf[n]] for n in names if n in by_hf))
+    assert seen == native_types
+    if path == GEMMA_GGUF:
+        assert not ours["model.layers.0.mlp.down_proj.weight"].is_meta  # Q6_K: dense
+    fast = prepare_cpu_fast_path(loaded, config)
+    assert fast.narrow is not None and loaded.gguf is None
+    assert not any(p.is_meta for p in loaded.model.parameters())
+    assert isinstance(loaded.model.get_input_embeddings(), QuantizedEmbedding)
+    ids = torch.tensor([[2, 651, 6037, 573, 1105, 11]])
+    scaled = loaded.model.get_input_embeddings()(ids)
+    dense_rows = reference["model.embed_tokens.weight"][ids]
+    if path == GEMMA_GGUF:  # Gemma multiplies its embeddings by sqrt(hidden), in the weights' dtype
+        dense_rows = dense_rows * torch.tensor(640**0.5, dtype=torch.float32)
+    assert torch.equal(scaled, dense_rows)
