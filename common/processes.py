@@ -41,6 +41,17 @@ def rss_bytes(pid: int | None = None) -> int | None:
     return None
 
 
+def pss_bytes(pid: int | None = None) -> int | None:
+    """Proportional set size (smaps_rollup's Pss): each shared page counted once over all the
+    processes that map it, so the PSS of processes that share pages (engines forked from one
+    parent, a mapped model file) adds up to what they hold together."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in _proc(pid).joinpath("smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def peak_rss_bytes(pid: int | None = None) -> int | None:
     """The largest resident set size so far (VmHWM)."""
     kib = _status_kib(pid, "VmHWM")

@@ -2,11 +2,17 @@
 
 import os
 import sys
+import time
 
-from engine.model.cpu.openmp_env import configure
+_started = time.monotonic()
+
+from engine import startup  # noqa: E402
+from engine.model.cpu.openmp_env import configure  # noqa: E402
 
 configure(sys.argv[1:], os.environ)  # before torch loads (see engine.model.cpu.openmp_env)
 
 from engine.serving.cli import main  # noqa: E402
+
+startup.mark_process_start(_started)
 
 sys.exit(main())

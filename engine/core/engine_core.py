@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import startup
 from engine.config import EngineConfig
 from engine.core.blocks import BlockManager
 from engine.core.detokenizer import IncrementalDetokenizer
@@ -103,9 +104,10 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler()
-        self.grammars = GrammarCompiler(
-            loaded.tokenizer, self.vocab_size, self.eos_token_ids, CompileSettings.of(config)
-        )
+        with startup.phase("structured outputs"):
+            self.grammars = GrammarCompiler(
+                loaded.tokenizer, self.vocab_size, self.eos_token_ids, CompileSettings.of(config)
+            )
         self._compiling: set[str] = set()  # requests whose grammar is still compiling
         self._grammar_failures: Counter[str] = Counter()
         # where a step's time goes, off until a benchmark turns it on (engine.model.step_profile)

@@ -31,6 +31,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from engine import startup
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.file_hash import file_sha256
@@ -113,11 +114,11 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     root = cache_root()
     index = root / "gguf-index" / f"{_stat_key(gguf_path)}.json"
     sha = _read_index(index)
-    if sha is not None and (root / "gguf" / sha / "config.json").is_file():
-        return root / "gguf" / sha
+    if sha is not None and (root / "gguf-metadata" / sha / "config.json").is_file():
+        return root / "gguf-metadata" / sha
     started = time.monotonic()
     sha = file_sha256(gguf_path)
-    target = root / "gguf" / sha
+    target = root / "gguf-metadata" / sha
     if not (target / "config.json").is_file():
         _convert_gguf(gguf_path, target)
         if file_sha256(gguf_path) != sha:  # the file changed under us: don't keep a mislabeled copy
@@ -162,11 +163,12 @@ def _gguf_model(
     """The model of ``gguf_path``, built on the meta device and filled from the file (fp32),
     and the GgufWeights that reads it; with ``keep_blocks``, the weights the narrow kernels read
     stay on the meta device for narrow_weights to take from it."""
-    with torch.device("meta"):
+    with startup.phase("model skeleton"), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     try:
-        weights = GgufWeights(gguf_path, model)
-        weights.load(model, keep_blocks)
+        with startup.phase("weights"):
+            weights = GgufWeights(gguf_path, model)
+            weights.load(model, keep_blocks)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ModelLoadError(f"cannot load the weights of {str(gguf_path)!r}: {exc}") from exc
     return model, weights
@@ -229,7 +231,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     folder, gguf_name = split_source(config.model, config.gguf_file)
     gguf_path = folder / gguf_name if gguf_name else None
     try:
-        source = converted_gguf_dir(gguf_path) if gguf_path else folder
+        with startup.phase("gguf metadata"):
+            source = converted_gguf_dir(gguf_path) if gguf_path else folder
     except OSError as exc:
         raise ModelLoadError(
             f"cannot cache the converted GGUF under {str(cache_root())!r} ({exc}); "
@@ -247,7 +250,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     _check_causal_lm(hf_config)
     gguf_weights = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        with startup.phase("tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {str(source)!r}: {exc}") from exc
+    try:
         if gguf_path is not None:
             keep_blocks = device.type == "cpu" and narrow_mode(config, dtype) == "gguf"
             model, gguf_weights = _gguf_model(gguf_path, hf_config, keep_blocks)

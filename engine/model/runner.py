@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import startup
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model.attention.backends import select_backend
@@ -77,8 +78,10 @@ class ModelRunner:
         )
         self.lean: LeanLlamaForward | None = None
         self.activation_bytes: int | None = None  # CUDA: measured by _kv_budget_bytes
-        budget = self._kv_budget_bytes(max_model_len)
-        self.lean = self._checked_lean_forward()
+        with startup.phase("kv probe"):
+            budget = self._kv_budget_bytes(max_model_len)
+        with startup.phase("lean check"):
+            self.lean = self._checked_lean_forward()
         self.num_blocks = num_blocks_for_budget(self.spec, budget, max_model_len)
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
         # sleep and wake: every object that holds weights is a root of the parker's walk

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from common.errors import error_body
 from common.http_server import GuardedRunner
+from engine import startup
 from engine.config import EngineConfig
 from engine.serving.app import SETTINGS_KEY, ServerSettings, create_app
 from engine.serving.async_engine import AsyncEngine
@@ -81,6 +82,7 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    startup.record("imports and http server", startup.since_start())
     log.info("loading model %s", config.model)
     started = time.monotonic()
     engine.start()
@@ -95,7 +97,9 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
         code = 1
     elif loaded.done():
         _log_loaded(engine, time.monotonic() - started)
-        log.info("ready")
+        log.info(
+            "ready %.2f s after the process started: %s", startup.since_start(), startup.summary()
+        )
         # A dead step loop cannot recover in this process: exit non-zero so that a supervisor
         # (the gateway's pool, systemd, Kubernetes) starts a fresh one.
         died = asyncio.ensure_future(engine.wait_dead())

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from common.processes import peak_rss_bytes, rss_bytes
+from common.processes import peak_rss_bytes, pss_bytes, rss_bytes
+from engine import startup
 
 
 def structured_memory(grammars: Any) -> dict[str, int]:
@@ -29,6 +30,7 @@ def status_body(model: str, sleeping: bool, footprint: Any, grammars: Any = None
     does not measure one; ``grammars``: its compiler's CompilerStats, None without one."""
     process = {
         "rss_bytes": rss_bytes(),
+        "pss_bytes": pss_bytes(),
         "peak_rss_bytes": peak_rss_bytes(),
         **structured_memory(grammars),
     }
@@ -47,4 +49,5 @@ def status_body(model: str, sleeping: bool, footprint: Any, grammars: Any = None
         "device": footprint.device,
         "memory": memory,
         "park": asdict(footprint.park),
+        "startup_s": {name: round(s, 3) for name, s in startup.phases().items()},
     }

@@ -4,14 +4,14 @@ Measured figures come from the engine's ``GET /status`` once it is ready and aga
 parked: its resident memory, and while awake what it may still grow by (see ``measured_bytes``).
 Before a model's first measurement, an estimate: ``memory_estimate`` from models.yaml, or the
 runtime, the weights as the engine will hold them, the KV budget and structured outputs' memory
-(the grammar cache budget, a compile worker). How a GGUF is held depends on its tensor types, which
-its header lists after the tokenizer (seconds to read past a large vocabulary, so not read here):
-tensors in Q4_0, Q4_1 or Q8_0 stay in their own blocks, any other type is dequantised to fp32 and
-prepacked. Measured (engine alone on CPU, default flags: the awake figure less the runtime,
-KV and structured-output terms): SmolLM2-135M Q4_1 (a 98 MB file, every linear narrow) 358 MB,
-3.6x its file; Gemma 3 270M Q4_K_M (253 MB: Q5_0, Q4_K and Q6_K linears dequantised, a Q8_0
-embedding) 2.9 GB, 11.5x. The estimate takes the upper end, so that no file is under-counted; a
-narrow one is over-counted (by 0.8 GB for SmolLM2) until its first start measures it.
+(the grammar cache budget, a compile worker). A GGUF's tensors in a block type the narrow
+formats hold (Q4_0/1, Q4_K, Q5_0/1, Q5_K, Q6_K, Q8_0) stay in those blocks, widened to fp32
+scales (1.1-1.8x their bytes); the others are dequantised to fp32 (up to 8x), and the tokenizer
+comes on top (Gemma 3's 262,144-token one: ~400 MB in the engine, ~130 MB more for structured
+outputs). Measured at start, engine alone on CPU, 256 MiB KV (2026-12-04, docs/PERFORMANCE.md):
+Gemma 3 270M Q4_K_M (a 253 MB file, every linear narrow) 2.2-2.3 GB resident, i.e. ~5.5x its
+file once the runtime and KV are taken off. The estimate takes 6x, so that no file is
+under-counted until its first start measures it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ENGINE_STRUCTURED_CACHE_DEFAULT = 256 * 2**20  # that flag's default
 # One grammar-compile worker process (the engine's default count): the interpreter, llguidance
 # and the tokenizer (about 100 MB for a 49k vocabulary)
 COMPILE_WORKER_ESTIMATE = 128 * 2**20
-GGUF_EXPANSION = 12  # the weights as held over the file's size, at most (see above)
+GGUF_EXPANSION = 6  # the weights and tokenizer as held over the file's size (see above)
 FOLDER_EXPANSION = 2  # fp32 checkpoint + its prepacked copy
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 

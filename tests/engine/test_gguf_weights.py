@@ -1,5 +1,6 @@
 """A GGUF's weights come from the file as it holds them: each block type a narrow format holds
-(Q8_0, Q5_0 -> int8; Q4_0, Q4_1, Q4_K -> int4) reproduces gguf's own dequantisation bit for bit,
+(Q8_0, Q5_0 -> int8; Q4_0, Q4_1, Q4_K -> int4; Q5_1, Q3_K, Q5_K, Q6_K -> int8k) reproduces gguf's
+own dequantisation bit for bit,
 and a whole model loaded from the file equals the one transformers builds by dequantising every
 tensor (its weights on narrow records where the file's blocks allow, in the same row order)."""
 
@@ -23,19 +24,22 @@ from tests.conftest import REPO_ROOT, SMOLLM2_GGUF
 
 GEMMA_GGUF = REPO_ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
 ROWS, K = 24, 512
+# Where the fp16 scales of the K-quants' super-blocks lie (bytes [start, end)): every other bit
+# pattern of theirs is valid (integer scales, mins and quants).
+K_QUANT_FP16 = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q3_K": (108, 110), "Q6_K": (208, 210)}
 
 
 def _random_blocks(block_type: str, rng: np.random.Generator) -> np.ndarray:
-    """[ROWS, bytes] of valid blocks: gguf's quantiser where it has one, else random bytes with
-    finite fp16 scales (Q4_K: d and dmin, then 6-bit scales/mins and nibbles, all bit patterns
-    valid)."""
+    """[ROWS, bytes] of valid blocks: gguf's quantiser where it has one, else (the K-quants)
+    random bytes with finite fp16 scales (Q4_K, Q5_K: d and dmin; Q3_K, Q6_K: d)."""
     qtype = GGMLQuantizationType[block_type]
-    if block_type != "Q4_K":
+    if block_type not in K_QUANT_FP16:
         return gguf_quantize(rng.standard_normal((ROWS, K)).astype(np.float32), qtype)
     _, elements, size = GGUF_BLOCKS[block_type]
+    start, end = K_QUANT_FP16[block_type]
     blocks = rng.integers(0, 256, (ROWS, K // elements, size), dtype=np.uint8)
-    scales = rng.uniform(1e-4, 1e-2, (ROWS, K // elements, 2)).astype(np.float16)
-    blocks[..., :4] = scales.view(np.uint8).reshape(ROWS, K // elements, 4)
+    scales = rng.uniform(1e-4, 1e-2, (ROWS, K // elements, (end - start) // 2)).astype(np.float16)
+    blocks[..., start:end] = scales.view(np.uint8).reshape(ROWS, K // elements, end - start)
     return blocks.reshape(ROWS, -1)
 
 
@@ -58,14 +62,14 @@ def _needs(path: Path) -> pytest.MarkDecorator:
     "path, native_types",
     [
         pytest.param(SMOLLM2_GGUF, {"Q8_0", "Q4_1"}, marks=_needs(SMOLLM2_GGUF)),
-        pytest.param(GEMMA_GGUF, {"Q8_0", "Q5_0", "Q4_K"}, marks=_needs(GEMMA_GGUF)),
+        pytest.param(GEMMA_GGUF, {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}, marks=_needs(GEMMA_GGUF)),
     ],
     ids=["smollm2-q4_1", "gemma3-q4_k_m"],
 )
 def test_real_files_load_as_transformers_dequantises_them(path, native_types):
     """Against transformers' own GGUF loading (every tensor dequantised to fp32): the tensors
     left dense are equal, each block tensor's records dequantise to the very same weight (Llama's
-    q/k rows in transformers' order), and what no format holds (Gemma's Q6_K) stays dense."""
+    q/k rows in transformers' order), Gemma's Q6_K ffn_down included (int8k)."""
     import gguf
 
     config = EngineConfig(model=str(path), num_threads=2)
@@ -91,7 +95,7 @@ def test_real_files_load_as_transformers_dequantises_them(path, native_types):
         seen.add(next(types[by_hf[n]] for n in names if n in by_hf))
     assert seen == native_types
     if path == GEMMA_GGUF:
-        assert not ours["model.layers.0.mlp.down_proj.weight"].is_meta  # Q6_K: dense
+        assert ours["model.layers.0.mlp.down_proj.weight"].is_meta  # Q6_K: int8k records
     fast = prepare_cpu_fast_path(loaded, config)
     assert fast.narrow is not None and loaded.gguf is None
     assert not any(p.is_meta for p in loaded.model.parameters())

@@ -106,7 +106,7 @@ def test_gguf_cache_keyed_by_content(
 
     first = converted_gguf_dir(original)
     assert convert.calls == [original]
-    assert first.parent == cache_dir / "gguf" and first.name == real_hash(original)
+    assert first.parent == cache_dir / "gguf-metadata" and first.name == real_hash(original)
     hashes.clear()
     assert converted_gguf_dir(original) == first  # restart: no conversion, no re-hashing
     assert convert.calls == [original] and hashes == []
@@ -119,7 +119,7 @@ def test_gguf_cache_keyed_by_content(
     original.write_bytes(os.urandom(3001))  # new content: a new conversion
     second = converted_gguf_dir(original)
     assert second != first and convert.calls == [original, original]
-    assert not list((cache_dir / "gguf").glob(".tmp-*"))
+    assert not list((cache_dir / "gguf-metadata").glob(".tmp-*"))
 
 
 def test_gguf_changed_during_conversion_is_not_cached(
@@ -135,7 +135,7 @@ def test_gguf_changed_during_conversion_is_not_cached(
     monkeypatch.setattr(loader, "_convert_gguf", convert_and_modify)
     with pytest.raises(ModelLoadError, match="changed while being converted"):
         converted_gguf_dir(gguf_path)
-    assert not any((cache_dir / "gguf").iterdir())
+    assert not any((cache_dir / "gguf-metadata").iterdir())
 
 
 @pytest.mark.smollm2
@@ -143,7 +143,7 @@ def test_smollm2_gguf_converts_once_then_loads_fast(
     smollm2_gguf: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = load_model(EngineConfig(model=str(smollm2_gguf), num_threads=2))
-    assert Path(first.source).parent == cache_dir / "gguf"
+    assert Path(first.source).parent == cache_dir / "gguf-metadata"
     assert first.eos_token_ids == {2}
     assert first.tokenizer.chat_template
 

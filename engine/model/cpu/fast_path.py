@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine import startup
 from engine.config import EngineConfig
 from engine.model.cpu.lean_forward import LeanLlamaForward
 from engine.model.cpu.linear import prepack_linears, prepack_supported
@@ -82,8 +83,10 @@ def prepare_cpu_fast_path(loaded: LoadedModel, config: EngineConfig) -> CpuFastP
     threads = max(1, config.num_threads or len(os.sched_getaffinity(0)))
     torch.set_num_threads(threads)
     gguf, loaded.gguf = loaded.gguf, None  # its blocks become the model's
-    narrow = narrow_weights(model, dtype, config, Path(loaded.source), gguf)
+    with startup.phase("narrow weights"):
+        narrow = narrow_weights(model, dtype, config, Path(loaded.source), gguf)
     num_prepacked = 0
     if prepack_supported(loaded.device, dtype):
-        num_prepacked = prepack_linears(model, batch_size_hint=config.max_num_seqs)
+        with startup.phase("prepack"):
+            num_prepacked = prepack_linears(model, batch_size_hint=config.max_num_seqs)
     return CpuFastPath(model, threads, num_prepacked, narrow)

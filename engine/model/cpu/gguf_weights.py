@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from engine.model.cpu.gguf_file import GgufFile
 from engine.model.cpu.quant_formats import GGUF_BLOCKS, QuantizedWeight, from_gguf_blocks
 from engine.model.cpu.quantize import narrowable_embedding
 
@@ -36,20 +37,16 @@ class GgufWeights:
 
     def __init__(self, path: Path, model: PreTrainedModel) -> None:
         import gguf  # deferred: only GGUF sources need it
-        from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS,
-            TensorProcessor,
-            get_gguf_hf_weights_map,
-        )
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.path = path
         self._gguf = gguf
-        self._reader = gguf.GGUFReader(path)
-        arch = bytes(self._reader.fields["general.architecture"].parts[-1]).decode()
+        file = GgufFile(path)
         text = model.config.get_text_config()
-        self._processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=text.to_dict())
-        self._hf_names = get_gguf_hf_weights_map(model, self._processor)
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(text.to_dict())
+        self._processor = processor
+        self._hf_names = _hf_names(model, processor, file.architecture, text.num_hidden_layers)
+        self._tensors = file.tensors
         self._by_hf = {hf: n for n, hf in self._hf_names.items() if n in self._tensors}
 
     def load(self, model: PreTrainedModel, keep_blocks: bool) -> None:
@@ -83,12 +80,12 @@ class GgufWeights:
                 missing.update(self._dense(gguf_name, self._tensors[gguf_name]))
         if missing:
             model.load_state_dict(missing, strict=False, assign=True)
-            model.tie_weights()
+            if isinstance(model.get_input_embeddings(), nn.Embedding):  # not narrow: tie again
+                model.tie_weights()
         left = [name for name, param in model.named_parameters() if param.is_meta]
         if left:
             raise ValueError(f"the GGUF file holds no tensor for {', '.join(left[:5])}")
-        self._tensors.clear()
-        self._reader = None
+        self._tensors.clear()  # the file's mapping goes with its last view
         return len(missing)
 
     def _row_order(self, name: str, tensor: object) -> np.ndarray | None:
@@ -131,6 +128,36 @@ class GgufWeights:
             array = np.ascontiguousarray(result.weights, dtype=np.float32)
             out[self._hf_names[result.name]] = torch.from_numpy(array.copy())
         return out
+
+
+def _hf_names(
+    model: nn.Module, processor: object, architecture: str, num_layers: int
+) -> dict[str, str]:
+    """GGUF tensor name -> HF parameter name for ``model``, by gguf's name map of the file's
+    architecture (transformers' get_gguf_hf_weights_map builds that map again for every module
+    it recurses into: 2 s for Gemma 3). A name the map lacks is tried without its leading
+    components (a submodule's view of it), as that recursion does."""
+    import gguf
+
+    arches = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+    if architecture not in arches:
+        raise NotImplementedError(f"gguf does not know the architecture {architecture!r}")
+    name_map = gguf.get_tensor_name_map(arches[architecture], num_layers)
+    found: dict[str, str] = {}
+    for hf_name in model.state_dict():
+        name = processor.preprocess_name(hf_name)
+        stem, dot, suffix = name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            stem, dot, suffix = name, "", ""
+        parts = stem.split(".")
+        for first in range(len(parts)):
+            gguf_name = name_map.get_name(".".join(parts[first:]))
+            if gguf_name is not None:
+                found.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
+                break
+        else:
+            processor.perform_fallback_tensor_mapping(found, dot + suffix, "", hf_name)
+    return found
 
 
 def _blockable_parameters(model: nn.Module) -> set[str]:

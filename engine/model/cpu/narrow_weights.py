@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine import startup
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model.cpu import narrow_cache
@@ -120,7 +121,8 @@ def _narrow_weights(
     mode = narrow_mode(config, dtype)
     if mode is None:
         return None
-    lib = quant_gemm.library()
+    with startup.phase("kernels"):
+        lib = quant_gemm.library()
     if lib is None:
         if mode == "gguf":
             log.warning("narrow-weight kernels unavailable: the GGUF's blocks load as float32")

@@ -1,22 +1,33 @@
 """Narrow weight formats of the CPU linears: quantising fp32 weights into them, reading GGUF's own
 blocks into them, and the torch reference that turns them back into fp32.
 
-Both formats work in blocks of 32 consecutive inputs of one output column, GGUF's block size:
+Every format works in blocks of 32 consecutive inputs of one output column, GGUF's block size:
 
 - ``int8``: ``w = d * q``, q in [-128, 127], one fp32 scale per block (symmetric, d = max|w| / 127:
   GGUF's Q8_0, whose blocks load exactly).
 - ``int4``: ``w = d * q + m``, q in [0, 15], an fp32 scale and offset per block (d = (max - min) /
   15, m = min: GGUF's Q4_1; Q4_0's ``d * (q - 8)`` is the same with m = -8 d, so both load exactly).
+- ``int8k``: ``w = d_half * q + m``, q in [-128, 127], two fp32 scales per block (d_lo for elements
+  0-15, d_hi for 16-31) and one fp32 offset: the K-quants' scale per 16 (Q6_K, Q3_K) or per 32
+  with an offset (Q5_K), and Q5_1. Quantising into it centres each block (m = (max + min) / 2)
+  and scales each half symmetrically; int8 and int4 weights convert into it exactly (`as_format`),
+  so projections of mixed formats still fuse (`concatenate`).
 
-A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8):
-the scales, then (int4) the offsets, then the integers (int4: 16 bytes a block, the low nibbles
-elements 0-15 and the high nibbles 16-31, GGUF's order). Records of the same K concatenate, so
-fused projections are a torch.cat; rows permute with an index (kernels/quant_gemm.c reads them).
+A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8): per
+block of the column, int8: the scales, then the int8s; int4: the scales, the offsets, then the
+nibbles (16 bytes a block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's
+order); int8k: the low-half scales, the high-half scales, the offsets, then the int8s. Records of
+one format and K concatenate, so fused projections are a torch.cat; rows permute with an index
+(kernels/quant_gemm.c reads them).
 
 GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 and Q5_0 (``d * (q - 16)``,
 q 5 bits) in int8; Q4_1, Q4_0 and Q4_K in int4, whose super-blocks of 256 carry 6-bit scales
-and offsets per 32 (``d * sc * q - dmin * m``: d * sc and dmin * m are exact in fp32, being
-fp16 times 6-bit integers). GGUF stores its scales in fp16; widening them to fp32 is exact.
+and offsets per 32 (``d * sc * q - dmin * m``); in int8k Q5_K (Q4_K's scales with 5-bit q), Q6_K
+(``d * sc * (q - 32)``, sc int8 per 16, q 6 bits), Q3_K (``d * (sc - 32) * q``, sc 6 bits per 16,
+q in [-4, 3]) and Q5_1 (``d * q + m``, q 5 bits). The products d * sc and dmin * m are exact in
+fp32, being fp16 times integers of at most 8 bits (11 + 8 significant bits < 24), so each weight
+is gguf's own single rounding of that product times q (plus the offset). GGUF stores its scales
+in fp16; widening them to fp32 is exact.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ import numpy as np
 import torch
 
 BLOCK = 32
-FORMATS = ("int8", "int4")
+HALF = BLOCK // 2
+FORMATS = ("int8", "int4", "int8k")
 # GGUF block types that load into a format as they are: (format, elements and bytes per block).
 GGUF_BLOCKS = {
     "Q8_0": ("int8", 32, 34),
@@ -35,13 +47,18 @@ GGUF_BLOCKS = {
     "Q4_1": ("int4", 32, 20),
     "Q4_0": ("int4", 32, 18),
     "Q4_K": ("int4", 256, 144),
+    "Q5_1": ("int8k", 32, 24),
+    "Q3_K": ("int8k", 256, 110),
+    "Q5_K": ("int8k", 256, 176),
+    "Q6_K": ("int8k", 256, 210),
 }
+# Bytes per block of a record: its fp32 scales and offsets, then its integers.
+_BLOCK_BYTES = {"int8": 4 + BLOCK, "int4": 8 + HALF, "int8k": 12 + BLOCK}
 
 
 def record_bytes(fmt: str, k: int) -> int:
     """Bytes of one output column's record for ``k`` inputs (a multiple of BLOCK)."""
-    blocks = k // BLOCK
-    return blocks * (8 + BLOCK // 2) if fmt == "int4" else blocks * (4 + BLOCK)
+    return k // BLOCK * _BLOCK_BYTES[fmt]
 
 
 @dataclass
@@ -68,22 +85,50 @@ class QuantizedWeight:
         """fp32 [N, K] (or [len(index), K]): the values the kernels multiply by."""
         records = self.records if index is None else self.records.index_select(0, index)
         n, blocks = records.shape[0], self.in_features // BLOCK
-        scales = records[:, : 4 * blocks].contiguous().view(torch.float32)[..., None]
+        floats = 3 if self.fmt == "int8k" else 2 if self.fmt == "int4" else 1
+        head = records[:, : 4 * floats * blocks].contiguous().view(torch.float32)
+        scales = head.view(n, floats, blocks, 1)
+        if self.fmt == "int4":
+            packed = records[:, 8 * blocks :].view(n, blocks, HALF)
+            q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+            return (scales[:, 0] * q + scales[:, 1]).view(n, self.in_features)
+        q = records[:, 4 * floats * blocks :].contiguous().view(torch.int8).view(n, blocks, BLOCK)
         if self.fmt == "int8":
-            q = records[:, 4 * blocks :].contiguous().view(torch.int8).view(n, blocks, BLOCK)
-            return (scales * q.float()).view(n, self.in_features)
-        offsets = records[:, 4 * blocks : 8 * blocks].contiguous().view(torch.float32)[..., None]
-        packed = records[:, 8 * blocks :].view(n, blocks, BLOCK // 2)
-        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-        return (scales * q + offsets).view(n, self.in_features)
+            return (scales[:, 0] * q.float()).view(n, self.in_features)
+        halves = scales[:, :2].permute(0, 2, 1, 3)  # [n, blocks, 2 halves, 1]
+        values = halves * q.view(n, blocks, 2, HALF).float() + scales[:, 2, :, None]
+        return values.reshape(n, self.in_features)
+
+
+def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
+    """``weight`` in ``fmt``, the same values: int8 and int4 convert into int8k exactly (both
+    halves' scale the block's d, the offset 0 or m, the integers as int8)."""
+    if weight.fmt == fmt:
+        return weight
+    if fmt != "int8k" or weight.fmt not in ("int8", "int4"):
+        raise ValueError(f"{weight.fmt} weights do not convert into {fmt}")
+    records, n = weight.records, weight.out_features
+    blocks = weight.in_features // BLOCK
+    scale = records[:, : 4 * blocks]
+    if weight.fmt == "int8":
+        offset = torch.zeros(n, 4 * blocks, dtype=torch.uint8)
+        q = records[:, 4 * blocks :]
+    else:
+        offset = records[:, 4 * blocks : 8 * blocks]
+        packed = records[:, 8 * blocks :].reshape(n, blocks, HALF)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, -1)
+    return QuantizedWeight(fmt, weight.in_features, torch.cat([scale, scale, offset, q], dim=1))
 
 
 def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """One weight of the stacked output columns of ``weights`` (same format and K)."""
+    """One weight of the stacked output columns of ``weights`` (same K): in their format, or in
+    int8k where they differ (each part converted exactly), so mixed projections still fuse."""
     first = weights[0]
-    if any(w.fmt != first.fmt or w.in_features != first.in_features for w in weights):
-        raise ValueError("only weights of one format and input width concatenate")
-    return QuantizedWeight(first.fmt, first.in_features, torch.cat([w.records for w in weights]))
+    if any(w.in_features != first.in_features for w in weights):
+        raise ValueError("only weights of one input width concatenate")
+    fmt = first.fmt if all(w.fmt == first.fmt for w in weights) else "int8k"
+    records = [as_format(w, fmt).records for w in weights]
+    return QuantizedWeight(fmt, first.in_features, torch.cat(records))
 
 
 def quantizable(weight: torch.Tensor) -> bool:
@@ -101,16 +146,24 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
     if fmt == "int8":
         scale = blocks.abs().amax(-1, keepdim=True) / 127.0
-        inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        q = torch.round(blocks * inverse).clamp(-128, 127).to(torch.int8)
+        q = torch.round(blocks * _inverse(scale)).clamp(-128, 127).to(torch.int8)
         parts = [scale, q]
-    else:
+    elif fmt == "int4":
         low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
         scale = (high - low) / 15.0
-        inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        q = torch.round((blocks - low) * inverse).clamp(0, 15).to(torch.uint8)
-        parts = [scale, low, q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)]
+        q = torch.round((blocks - low) * _inverse(scale)).clamp(0, 15).to(torch.uint8)
+        parts = [scale, low, q[..., :HALF] | (q[..., HALF:] << 4)]
+    else:
+        offset = (blocks.amin(-1, keepdim=True) + blocks.amax(-1, keepdim=True)) / 2
+        centred = (blocks - offset).view(n, k // BLOCK, 2, HALF)
+        scale = centred.abs().amax(-1, keepdim=True) / 127.0  # [n, blocks, 2 halves, 1]
+        q = torch.round(centred * _inverse(scale)).clamp(-127, 127).to(torch.int8)
+        parts = [scale[:, :, 0], scale[:, :, 1], offset, q]
     return QuantizedWeight(fmt, k, _records(n, parts))
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
 
 
 def _records(n: int, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -124,18 +177,22 @@ def from_gguf_blocks(block_type: str, raw: np.ndarray, k: int) -> QuantizedWeigh
     fmt, elements, block_bytes = GGUF_BLOCKS[block_type]
     n = raw.shape[0]
     blocks = torch.from_numpy(np.array(raw)).view(n, k // elements, block_bytes)  # a writable copy
+    if block_type in _SUPER_BLOCKS:
+        return _SUPER_BLOCKS[block_type](blocks, n, k)
     scale = _fp16(blocks[..., :2])
     if block_type == "Q8_0":
         return QuantizedWeight(fmt, k, _records(n, [scale, blocks[..., 2:]]))
     if block_type == "Q5_0":
-        return QuantizedWeight(fmt, k, _records(n, [scale, _q5_0_values(blocks)]))
+        values = _q5_values(blocks[..., 2:6], blocks[..., 6:]).sub(16).to(torch.int8)
+        return QuantizedWeight(fmt, k, _records(n, [scale, values]))
     if block_type == "Q4_1":
         return QuantizedWeight(
             fmt, k, _records(n, [scale, _fp16(blocks[..., 2:4]), blocks[..., 4:]])
         )
     if block_type == "Q4_0":
         return QuantizedWeight(fmt, k, _records(n, [scale, -8.0 * scale, blocks[..., 2:]]))
-    return _q4_k(blocks, n, k)
+    values = _q5_values(blocks[..., 4:8], blocks[..., 8:]).to(torch.int8)  # Q5_1
+    return _int8k(n, k, scale.expand(-1, -1, 2), _fp16(blocks[..., 2:4]), values)
 
 
 def _fp16(pairs: torch.Tensor) -> torch.Tensor:
@@ -143,14 +200,41 @@ def _fp16(pairs: torch.Tensor) -> torch.Tensor:
     return pairs.contiguous().view(torch.float16).float()
 
 
-def _q5_0_values(blocks: torch.Tensor) -> torch.Tensor:
-    """Q5_0's integers q - 16 as int8 [n, blocks, 32]: the low 4 bits in nibbles (elements 0-15
-    low, 16-31 high), the fifth bits in a little-endian uint32."""
-    high = blocks[..., 2:6].contiguous().view(torch.int32)  # [n, blocks, 1]
-    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
-    nibbles = blocks[..., 6:].to(torch.int32)
-    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
-    return (low | (bits << 4)).sub(16).to(torch.int8)
+def _bits(packed: torch.Tensor, shifts: range, width: int) -> torch.Tensor:
+    """Fields of ``width`` bits of bytes [..., L] at ``shifts``: [..., len(shifts), L] int32, the
+    fields of each shift in a row (GGUF's element order)."""
+    shift = torch.tensor(shifts, dtype=torch.int32)[:, None]
+    return (packed.to(torch.int32)[..., None, :] >> shift) & ((1 << width) - 1)
+
+
+def _q5_values(high: torch.Tensor, nibbles: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 5-bit integers int32 [n, blocks, 32]: the low 4 bits in nibbles (elements
+    0-15 low, 16-31 high), the fifth bits in a little-endian uint32 (``high``, 4 bytes)."""
+    bits = (high.contiguous().view(torch.int32) >> torch.arange(32, dtype=torch.int32)) & 1
+    low = _bits(nibbles, range(0, 8, 4), 4).flatten(-2)
+    return low | (bits << 4)
+
+
+def _int8k(
+    n: int, k: int, scales: torch.Tensor, offsets: torch.Tensor, q: torch.Tensor
+) -> QuantizedWeight:
+    """int8k records of ``scales`` (one per 16 inputs, [n, ..., k / 16]), ``offsets`` (one per 32)
+    and the int8s ``q`` ([n, ..., k])."""
+    halves = scales.reshape(n, k // BLOCK, 2)
+    parts = [halves[..., 0], halves[..., 1], offsets.reshape(n, -1), q.reshape(n, -1)]
+    return QuantizedWeight("int8k", k, _records(n, parts))
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins for 8 sub-blocks: (sc, m) int32 [..., 8]."""
+    packed = packed.to(torch.int32)
+    sc = torch.cat(
+        [packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], -1
+    )
+    m = torch.cat(
+        [packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1
+    )
+    return sc, m
 
 
 def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
@@ -158,16 +242,56 @@ def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     8 sub-blocks; 128 bytes of nibbles, 32 per pair of sub-blocks: low nibbles the first's 32,
     high the second's) as int4 records: per sub-block scale d * sc, offset -dmin * m."""
     d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
-    packed = blocks[..., 4:16].to(torch.int32)
-    sc = torch.cat(
-        [packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], -1
-    )
-    m = torch.cat(
-        [packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1
-    )
+    sc, m = _k_scales(blocks[..., 4:16])
     scale = (d * sc.float()).reshape(n, k // BLOCK, 1)
     offset = (-(dmin * m.float())).reshape(n, k // BLOCK, 1)
     qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
     values = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, k // BLOCK, BLOCK)
-    nibbles = values[..., : BLOCK // 2] | (values[..., BLOCK // 2 :] << 4)
+    nibbles = values[..., :HALF] | (values[..., HALF:] << 4)
     return QuantizedWeight("int4", k, _records(n, [scale, offset, nibbles]))
+
+
+def _q5_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    """Q5_K super-blocks [n, k / 256, 176]: Q4_K's d, dmin and scales, then 32 bytes of fifth
+    bits (bit j of byte t: element 32 j + t) and 128 of nibbles as Q4_K's; int8k with both halves
+    of a sub-block at d * sc and the offset -dmin * m."""
+    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+    sc, m = _k_scales(blocks[..., 4:16])
+    low = _bits(blocks[..., 48:].reshape(n, k // 256, 4, 32), range(0, 8, 4), 4)
+    high = _bits(blocks[..., 16:48], range(8), 1)
+    values = (low.reshape(n, k) | (high.reshape(n, k) << 4)).to(torch.int8)
+    scales = (d * sc.float()).repeat_interleave(2, dim=-1)
+    return _int8k(n, k, scales, -(dmin * m.float()), values)
+
+
+def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    """Q6_K super-blocks [n, k / 256, 210]: 128 bytes of low nibbles (per half of 128 elements,
+    64 bytes: low nibbles its first 64, high its next), 64 of high 2-bit pairs (per half, 32
+    bytes: the pair at shift 2 j element 32 j + t), 16 int8 scales (one per 16) and d fp16;
+    int8k of scales d * sc, offset 0, q - 32."""
+    supers = k // 256
+    low = _bits(blocks[..., :128].reshape(n, supers, 2, 64), range(0, 8, 4), 4)
+    high = _bits(blocks[..., 128:192].reshape(n, supers, 2, 32), range(0, 8, 2), 2)
+    values = (low.reshape(n, k) | (high.reshape(n, k) << 4)).sub(32).to(torch.int8)
+    scales = _fp16(blocks[..., 208:210]) * blocks[..., 192:208].view(torch.int8).float()
+    return _int8k(n, k, scales, torch.zeros(n, k // BLOCK), values)
+
+
+def _q3_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    """Q3_K super-blocks [n, k / 256, 110]: 32 bytes of high bits (bit j of byte t: element
+    32 j + t, set meaning no -4), 64 of 2-bit fields (per half of 128, 32 bytes: shift 2 j is
+    element 32 j + t), 12 of 6-bit scales (low nibbles of bytes 0-7 then their high nibbles,
+    above them 2-bit pairs of bytes 8-11: shift 2 j is scale 4 j + byte) and d fp16; int8k of
+    scales d * (sc - 32), offset 0, q = low - 4 (1 - high bit)."""
+    supers = k // 256
+    low_sc = _bits(blocks[..., 96:104], range(0, 8, 4), 4).flatten(-2)
+    high_sc = _bits(blocks[..., 104:108], range(0, 8, 2), 2).flatten(-2)
+    scales = _fp16(blocks[..., 108:110]) * ((low_sc | (high_sc << 4)) - 32).float()
+    low = _bits(blocks[..., 32:96].reshape(n, supers, 2, 32), range(0, 8, 2), 2)
+    high = _bits(blocks[..., :32], range(8), 1)
+    values = (low.reshape(n, k) - 4 * (1 - high.reshape(n, k))).to(torch.int8)
+    return _int8k(n, k, scales, torch.zeros(n, k // BLOCK), values)
+
+
+# The block types of 256-element super-blocks, by their readers.
+_SUPER_BLOCKS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k}

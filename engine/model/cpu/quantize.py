@@ -7,8 +7,8 @@ shape is quantised from its fp32 values. ``gguf`` mode (the default for GGUF fil
 the first kind and leaves the rest dense; ``int8`` / ``int4`` put every linear in that format,
 except that int4 keeps the embedding and lm_head in int8 (as llama.cpp's quantiser keeps its
 output tensor at 6 bits or more: in int4 SmolLM2's top token changed on half of the load probe).
-q/k/v and gate/up fuse into one GEMM each, as on the dense path; an lm_head tied to the embedding
-shares its records.
+q/k/v and gate/up fuse into one GEMM each, as on the dense path (parts of mixed formats in int8k,
+which holds each exactly); an lm_head tied to the embedding shares its records.
 
 engine.model.cpu.narrow_weights checks the result against the dense forward on a probe, as the
 lean forward is checked: a format that moves the model's predictions too far is refused.
@@ -121,8 +121,10 @@ def quantize_model(
 
     def build(linears: list[nn.Linear], paired: bool) -> QuantizedLinear | None:
         parts = [weight_of(m) for m in linears]
-        if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1:
+        if any(p is None for p in parts):
             return None
+        # parts of mixed formats (a Q4_K_M file's Q4_K q/k beside a Q6_K v) fuse in int8k: the
+        # one-call decode step runs fused projections only
         return QuantizedLinear(concatenate(parts), stacked_bias(linears), lib, paired)
 
     embedding = model.get_input_embeddings()

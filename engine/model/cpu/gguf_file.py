@@ -1,0 +1,124 @@
+"""A GGUF file's tensors, read from its header and mapped, without building its metadata.
+
+gguf's GGUFReader turns every metadata value into numpy views first: for Gemma 3's 262,144-token
+vocabulary that is ~790,000 small arrays, 8 s of a start and ~600 MiB of Python objects that
+outlive it. The weights need only the tensor directory, the architecture's name and the
+alignment, so this reads those (skipping every other value by its length) and maps the file once;
+tensor data are views into that mapping (the page cache holds them, shared with other readers).
+Layout: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+_MAGIC = b"GGUF"
+# Metadata value types: fixed sizes of the scalars; 8 is a string, 9 an array.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_DENSE_DTYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+}
+
+
+@dataclass
+class GgufTensor:
+    """One tensor: ``shape`` in GGUF's order (innermost first: [K, N] for an N x K weight);
+    ``data`` as gguf's reader gives it (dense: [N, K] values; blocks: [N, bytes a row] uint8)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+class GgufFile:
+    """The tensors of the GGUF file at ``path`` (by name) and its scalar metadata."""
+
+    def __init__(self, path: Path) -> None:
+        self._map = np.memmap(path, dtype=np.uint8, mode="r")
+        self._buffer = memoryview(self._map)
+        self._at = 0
+        if bytes(self._take(4)) != _MAGIC:
+            raise ValueError(f"{path} is not a GGUF file")
+        version = self._unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+        tensor_count, field_count = self._unpack("<Q"), self._unpack("<Q")
+        self.fields: dict[str, object] = {}  # scalars and strings; arrays are skipped
+        for _ in range(field_count):
+            key = self._string()
+            value = self._value(self._unpack("<I"))
+            if value is not None:
+                self.fields[key] = value
+        infos = [self._tensor_info() for _ in range(tensor_count)]
+        alignment = int(self.fields.get("general.alignment", 32))
+        start = -(-self._at // alignment) * alignment
+        self.tensors = {
+            name: GgufTensor(name, kind, shape, self._data(start + offset, kind, shape))
+            for name, kind, shape, offset in infos
+        }
+
+    @property
+    def architecture(self) -> str:
+        return str(self.fields["general.architecture"])
+
+    def _take(self, size: int) -> memoryview:
+        piece = self._buffer[self._at : self._at + size]
+        if len(piece) != size:
+            raise ValueError("the GGUF file ends inside its header")
+        self._at += size
+        return piece
+
+    def _unpack(self, fmt: str) -> int | float | bool:
+        (value,) = struct.unpack_from(fmt, self._buffer, self._at)
+        self._at += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        return bytes(self._take(int(self._unpack("<Q")))).decode("utf-8", errors="replace")
+
+    def _value(self, kind: int) -> object:
+        """The value of type ``kind`` at the cursor: scalars and strings read, arrays skipped
+        (None)."""
+        if kind in _SCALAR_FORMATS:
+            return self._unpack(_SCALAR_FORMATS[kind])
+        if kind == _STRING:
+            return self._string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown GGUF metadata type {kind}")
+        item, count = int(self._unpack("<I")), int(self._unpack("<Q"))
+        if item in _SCALAR_SIZES:
+            self._take(count * _SCALAR_SIZES[item])
+        else:  # strings (the vocabulary) or nested arrays: one length at a time
+            for _ in range(count):
+                self._value(item)
+        return None
+
+    def _tensor_info(self) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:
+        name = self._string()
+        dims = int(self._unpack("<I"))
+        shape = tuple(int(self._unpack("<Q")) for _ in range(dims))
+        kind = GGMLQuantizationType(int(self._unpack("<I")))
+        return name, kind, shape, int(self._unpack("<Q"))
+
+    def _data(self, offset: int, kind: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+        rows = int(np.prod(shape[1:], dtype=np.int64))
+        outer = tuple(reversed(shape[1:]))
+        if kind in _DENSE_DTYPES:
+            dtype = np.dtype(_DENSE_DTYPES[kind])
+            size = rows * shape[0] * dtype.itemsize
+            values = self._map[offset : offset + size].view(dtype)
+            return values.reshape(*outer, shape[0]) if outer else values
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        row_bytes = shape[0] // block * block_bytes
+        return self._map[offset : offset + rows * row_bytes].reshape(*outer, row_bytes)

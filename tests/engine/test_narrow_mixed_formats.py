@@ -1,0 +1,110 @@
+"""Projections of mixed narrow formats fuse: int8 and int4 weights convert into int8k exactly, so
+a Q4_K_M file's Q4_K q/k beside its Q6_K v still make one q/k/v GEMM (the one-call decode step
+runs fused projections only), with the outputs of the separate linears."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.model.cpu.kernels import quant_gemm
+from engine.model.cpu.quant_formats import (
+    FORMATS,
+    QuantizedWeight,
+    as_format,
+    concatenate,
+    from_gguf_blocks,
+    quantize,
+)
+from engine.model.cpu.quant_linear import QuantizedLinear
+from engine.model.cpu.quantize import quantize_model
+from tests.engine.test_cpu_quant_gemm import BUILDS
+from tests.engine.test_gguf_weights import K, _random_blocks
+
+HIDDEN, WIDTH = 64, 96
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_converts_into_int8k_exactly(fmt):
+    weight = quantize(torch.randn(9, 96, generator=torch.Generator().manual_seed(2)), fmt)
+    promoted = as_format(weight, "int8k")
+    assert promoted.fmt == "int8k" and promoted.records.shape[1] == 96 // 32 * 44
+    assert torch.equal(promoted.dequantize(), weight.dequantize())
+
+
+@pytest.mark.parametrize("block_type", ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_blocks_convert_into_int8k_exactly(block_type):
+    """Every stored scale, offset and integer as the file gives it (Q4_0: m = -8 d)."""
+    weight = from_gguf_blocks(block_type, _random_blocks(block_type, np.random.default_rng(5)), K)
+    assert torch.equal(as_format(weight, "int8k").dequantize(), weight.dequantize())
+
+
+def test_int8k_converts_into_nothing_else():
+    with pytest.raises(ValueError, match="do not convert"):
+        as_format(quantize(torch.randn(2, 32), "int8k"), "int8")
+
+
+def test_concatenate_promotes_only_mixed_formats():
+    parts = [quantize(torch.randn(n, 64), "int4") for n in (8, 3)]
+    same = concatenate(parts)
+    assert same.fmt == "int4" and torch.equal(same.records, torch.cat([p.records for p in parts]))
+    mixed = concatenate([*parts, quantize(torch.randn(5, 64), "int8")])
+    assert mixed.fmt == "int8k" and mixed.out_features == 16
+    with pytest.raises(ValueError, match="input width"):
+        concatenate([parts[0], quantize(torch.randn(2, 32), "int4")])
+
+
+def _tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=HIDDEN,
+        intermediate_size=WIDTH,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.skipif(not BUILDS, reason="no C compiler here")
+@pytest.mark.parametrize(
+    "formats, fused_formats",
+    [
+        ({"q_proj": "int4", "k_proj": "int8", "v_proj": "int8k"}, ("int8k", "int4")),
+        ({"q_proj": "int4", "k_proj": "int4", "v_proj": "int8", "up_proj": "int8"}, ("int8k",) * 2),
+        ({}, ("int4", "int4")),  # one format: fused as it is
+    ],
+)
+def test_mixed_parts_fuse_with_the_outputs_of_the_separate_linears(formats, fused_formats):
+    """The file's blocks (``native``) in the given formats (the rest int4); the fused GEMM's
+    slices equal each part's own linear, in its own format."""
+    model = _tiny_llama()
+    parts: dict[str, QuantizedWeight] = {}
+
+    def native(hf_names: list[str]) -> QuantizedWeight | None:
+        name = hf_names[0]
+        projection = name.split(".")[-2]
+        if not name.startswith("model.layers.") or projection in ("o_proj", "down_proj"):
+            return None
+        weight = model.get_parameter(name).detach()
+        parts[projection] = quantize(weight, formats.get(projection, "int4"))
+        return parts[projection]
+
+    lib = quant_gemm.library()
+    report = quantize_model(model, "gguf", native, lib)
+    assert report.native == 5
+    layer = model.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    assert (attention.fused_q_k_v.gemm.fmt, mlp.fused_gate_up.gemm.fmt) == fused_formats
+    h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
+    for module, names in (
+        (attention, ("q_proj", "k_proj", "v_proj")),
+        (mlp, ("gate_proj", "up_proj")),
+    ):
+        for name in names:
+            separate = QuantizedLinear(parts[name], None, lib)(h)
+            torch.testing.assert_close(getattr(module, name)(h), separate, rtol=1e-5, atol=1e-5)
