@@ -137,11 +137,18 @@ def _scale_up_logits(model: PreTrainedModel) -> None:
 GEMMA3_SLIDING_WINDOW = 12  # not a multiple of the engine's 16-token blocks
 
 
-def build_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+def build_tiny_gemma3(
+    path: Path,
+    seed: int = 0,
+    *,
+    attn_logit_softcapping: float | None = None,
+    final_logit_softcapping: float | None = None,
+) -> Path:
     """A 3-layer Gemma 3 text model shaped like Gemma 3 270M where it matters to the engine:
     sliding-window layers (window 12) before a global one with its own rotary base, one KV head,
     head_dim 256 (4x hidden / heads), tied embeddings scaled by sqrt(hidden), q/k norms, pre/post
-    feed-forward norms, gelu_tanh."""
+    feed-forward norms, gelu_tanh. The soft caps go into the config as given; 270M leaves both
+    unset, and transformers' Gemma 3 applies only the final one."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     tokenizer = build_tokenizer()
@@ -157,15 +164,139 @@ def build_tiny_gemma3(path: Path, seed: int = 0) -> Path:
         query_pre_attn_scalar=256,
         sliding_window=GEMMA3_SLIDING_WINDOW,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        attn_logit_softcapping=attn_logit_softcapping,
+        final_logit_softcapping=final_logit_softcapping,
         max_position_embeddings=1024,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
     model = Gemma3ForCausalLM(config)
-    with torch.no_grad():  # Gemma's norms scale by (1 + weight), initialised at 0: make it count
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(0.0, 0.5)
+    _randomise_norms(model, mean=0.0)  # Gemma's norms scale by (1 + weight), initialised at 0
+    # Sharper logits from the final norm: the tied lm_head is the embedding, and scaling it up
+    # would scale the inputs too, until the model mostly echoed its last token.
+    with torch.no_grad():
+        norm = model.model.norm.weight
+        norm.copy_(8.0 * (1.0 + norm) - 1.0)
+    return _save(model, tokenizer, path)
+
+
+def build_tiny_qwen3(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3: GQA with per-head q/k RMSNorms (randomised, so that they count) before
+    rope, head_dim 32 set apart from hidden / heads."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(config)
+    _randomise_norms(model, mean=1.0)
     _scale_up_logits(model)
     return _save(model, tokenizer, path)
+
+
+def build_tiny_qwen2(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen2: GQA with q/k/v biases."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config)
+    # initialised at 0: make them count (at the weights' scale: at 0.5 every prompt gave one token)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, config.initializer_range)
+    _scale_up_logits(model)
+    return _save(model, tokenizer, path)
+
+
+SLIDING_WINDOW = 8  # Mistral's and Phi-3's (from the config, every layer): shorter than prompts
+
+
+def build_tiny_mistral(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Mistral, GQA, with a sliding window of 8 on every layer."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=SLIDING_WINDOW,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = MistralForCausalLM(config)
+    _scale_up_logits(model)
+    return _save(model, tokenizer, path)
+
+
+def build_tiny_phi3(path: Path, seed: int = 0, *, partial_rotary_factor: float = 1.0) -> Path:
+    """A 2-layer Phi-3: its own fused qkv_proj and [gate; up] gate_up_proj, GQA, a sliding window
+    of 8 on every layer; rotary over ``partial_rotary_factor`` of each head."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = Phi3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        original_max_position_embeddings=1024,
+        sliding_window=SLIDING_WINDOW,
+        partial_rotary_factor=partial_rotary_factor,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = Phi3ForCausalLM(config)
+    _scale_up_logits(model)
+    return _save(model, tokenizer, path)
+
+
+def _randomise_norms(model: PreTrainedModel, mean: float) -> None:
+    """Norm weights around ``mean`` (they initialise to a constant, which hides a norm applied
+    with the wrong weight)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(mean, 0.5)

@@ -41,8 +41,8 @@ def _paged_attention_forward(
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention called without {CONTEXT_KWARG}=")
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
-    if softcap is None:
-        softcap = getattr(module.config, "attn_logit_softcapping", None)
+    # softcap: as the module passes it (Gemma 2 does); transformers' Gemma 3 leaves its config's
+    # attn_logit_softcapping unapplied, and so does this
     out = ctx.attend(
         module.layer_idx,
         query[0].transpose(0, 1),

@@ -1,23 +1,27 @@
 """Gemma 3 (the fleet's second model, Gemma 3 270M) on a tiny random model of its shape: greedy
 output token-identical to transformers generate() with prompts past the sliding window, the C
-decode kernel at head_dim 256 with one KV head, and the lean Llama forward declined.
+decode kernel at head_dim 256 with one KV head, and the lean forward running it (its step-by-step
+logits against the transformers path: test_lean_forward).
 
 The real 270M model is checked by hand (docs/OPERATIONS.md); it is too slow for the suite.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.llm import LLM
 from engine.model.cpu.kernels import build, paged_decode
 from engine.model.cpu.lean_forward import LeanLlamaForward
+from engine.model.step_batch import StepBatch
 from scripts.tiny_models import GEMMA3_SLIDING_WINDOW, build_tiny_gemma3
 from tests.engine.test_cpu_decode_kernel import decode_batch, naive_decode
 from tests.engine.test_engine_correctness import (
@@ -47,7 +51,11 @@ def test_tiny_gemma3_has_the_270m_shape(gemma3_case) -> None:
     assert (loaded.head_dim, loaded.num_kv_heads, loaded.num_layers) == (256, 1, 3)
     windows = [layer.self_attn.sliding_window for layer in core.runner.model.model.layers]
     assert windows == [GEMMA3_SLIDING_WINDOW, GEMMA3_SLIDING_WINDOW, None]
-    assert core.runner.lean is None  # not the Llama block: transformers' own forward runs
+    lean = core.runner.lean  # the lean forward runs it: each layer its window and rotary table
+    assert lean is not None
+    assert [layer.sliding_window for layer in lean.layers] == windows
+    local, _, global_ = (layer.rope for layer in lean.layers)
+    assert [layer.rope for layer in lean.layers] == [local, local, global_] and local != global_
 
 
 @pytest.mark.parametrize(
@@ -77,21 +85,39 @@ def test_greedy_matches_transformers(
         assert set(windows) == {GEMMA3_SLIDING_WINDOW, None}
 
 
-def test_lean_forward_declines_gemma3_even_when_labelled_llama(gemma3_case) -> None:
-    """Past the model_type check, the structure itself (scaled embedding, q/k norms, the extra
-    feed-forward norms) keeps the Llama block's op sequence off Gemma."""
+def test_lean_forward_declines_gemma3_labelled_llama(
+    gemma3_case, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past the model_type, the structure itself keeps the Llama family's op sequence off Gemma:
+    its scaled embedding, then (with a plain one) its extra feed-forward norms, each logged."""
     model_dir, _, _ = gemma3_case
     core = EngineCore(EngineConfig(model=str(model_dir), num_threads=1, max_model_len=128))
     model = core.runner.model
-    model.config.model_type, model.config.hidden_act = "llama", "silu"
-    assert LeanLlamaForward.build(model) is None
-    for layer in model.model.layers:  # without q/k norms and gelu_tanh: the scaled embedding
-        del layer.self_attn.q_norm, layer.self_attn.k_norm
-        layer.mlp.act_fn = nn.SiLU()
-    assert LeanLlamaForward.build(model) is None
-    plain = nn.Embedding(*model.model.embed_tokens.weight.shape)
-    model.model.embed_tokens = plain  # and with a plain one: the feed-forward norms
-    assert LeanLlamaForward.build(model) is None
+    model.config.model_type = "llama"
+    with caplog.at_level(logging.INFO, logger="engine.model.cpu.lean_forward"):
+        assert LeanLlamaForward.build(model) is None
+        assert "embedding Gemma3TextScaledWordEmbedding is not a plain lookup" in caplog.text
+        model.model.embed_tokens = nn.Embedding(*model.model.embed_tokens.weight.shape)
+        assert LeanLlamaForward.build(model) is None
+        assert "layer 0 (Gemma3DecoderLayer): submodules" in caplog.text
+
+
+def test_an_attention_soft_cap_in_the_config_is_ignored_as_transformers_does(
+    tmp_path: Path,
+) -> None:
+    model_dir = build_tiny_gemma3(tmp_path, attn_logit_softcapping=20.0)
+    config = EngineConfig(
+        model=str(model_dir), num_threads=1, max_model_len=128, kv_cache_memory=8 * 2**20
+    )
+    core = EngineCore(config)
+    prompt = random_prompts([40], seed=5)[0]
+    step = StepBatch(prompt, list(range(40)), [40], [40], [[0, 1, 2]], [39])
+    logits = core.runner.execute(step)[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert core.runner.lean is not None
 
 
 @pytest.mark.skipif(not build.available(), reason="no C compiler: the kernel cannot be built here")

@@ -4,7 +4,8 @@
 - `fast_path`: the entry point: thread count and prepacked linears at load, the per-forward thread
   policy, the lean forward.
 - `linear`: prepacked (oneDNN, panel GEMM) and fused linears, `StepGemms` for the lean forward.
-- `lean_forward`: Llama-family layers as a fixed minimal op sequence over those linears;
+- `lean_forward`: decoder layers (llama, mistral, qwen2/3, gemma3, phi3: what each departs from
+  the Llama block, as data, in `lean_layers`) as a fixed minimal op sequence over those linears;
   `fused_decode`: its decode-only steps on the C decode kernel (the "cpu" attention backend itself
   lives with the other backends, in `engine.model.attention.cpu_backend`).
 - `threads`: per-op thread counts; `openmp_env`: how idle OpenMP threads wait (set before torch
