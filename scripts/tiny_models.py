@@ -181,6 +181,25 @@ def build_tiny_gemma3(
     return _save(model, tokenizer, path)
 
 
+def _two_layers(tokenizer: PreTrainedTokenizerFast, **overrides: object) -> dict[str, object]:
+    """The config the 2-layer tiny models share (GQA: 4 query heads over 2 KV heads, untied
+    embeddings), with ``overrides``."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+        "tie_word_embeddings": False,
+        **overrides,
+    }
+
+
 def build_tiny_qwen3(path: Path, seed: int = 0) -> Path:
     """A 2-layer Qwen3: GQA with per-head q/k RMSNorms (randomised, so that they count) before
     rope, head_dim 32 set apart from hidden / heads."""
@@ -188,20 +207,7 @@ def build_tiny_qwen3(path: Path, seed: int = 0) -> Path:
 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    config = Qwen3Config(**_two_layers(tokenizer, head_dim=32))
     model = Qwen3ForCausalLM(config)
     _randomise_norms(model, mean=1.0)
     _scale_up_logits(model)
@@ -214,19 +220,7 @@ def build_tiny_qwen2(path: Path, seed: int = 0) -> Path:
 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    config = Qwen2Config(**_two_layers(tokenizer))
     model = Qwen2ForCausalLM(config)
     # initialised at 0: make them count (at the weights' scale: at 0.5 every prompt gave one token)
     with torch.no_grad():
@@ -246,20 +240,7 @@ def build_tiny_mistral(path: Path, seed: int = 0) -> Path:
 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    config = MistralConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=SLIDING_WINDOW,
-        max_position_embeddings=1024,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    config = MistralConfig(**_two_layers(tokenizer, sliding_window=SLIDING_WINDOW))
     model = MistralForCausalLM(config)
     _scale_up_logits(model)
     return _save(model, tokenizer, path)
@@ -273,20 +254,12 @@ def build_tiny_phi3(path: Path, seed: int = 0, *, partial_rotary_factor: float =
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     config = Phi3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        original_max_position_embeddings=1024,
-        sliding_window=SLIDING_WINDOW,
-        partial_rotary_factor=partial_rotary_factor,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
+        **_two_layers(
+            tokenizer,
+            original_max_position_embeddings=1024,
+            sliding_window=SLIDING_WINDOW,
+            partial_rotary_factor=partial_rotary_factor,
+        )
     )
     model = Phi3ForCausalLM(config)
     _scale_up_logits(model)

@@ -11,7 +11,6 @@ latencies go to the metrics through engine.serving.request_stats.
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -64,10 +63,9 @@ class AsyncEngine:
             self._thread.send, lambda: len(self._requests), self.check_loaded
         )
         self.core: CoreLike | None = None
-        # HF tokenizers are not thread-safe: the event loop and the prompt thread (templating and
-        # tokenising, which can take seconds for a long prompt) each have their own copy.
+        # The core's tokenizer, shared by the engine thread (detokenising), the event loop and the
+        # prompt thread (templates, tokenising): see engine.model.loader.shareable_tokenizer.
         self.tokenizer: Any = None
-        self._prompt_tokenizer: Any = None
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-prompts")
         self.max_model_len = 0
         self._limits: RequestLimits | None = None
@@ -211,12 +209,11 @@ class AsyncEngine:
         await self._switch.switch(WakeUp)
 
     async def on_prompt_thread(self, work: Callable[[Any], _T]) -> _T:
-        """``work(tokenizer)`` on the prompt thread, with that thread's own tokenizer copy: chat
-        templates and tokenisation stay off the event loop, so /health and streams keep going
-        while a long prompt is processed."""
+        """``work(tokenizer)`` on the prompt thread: chat templates and tokenisation stay off the
+        event loop, so /health and streams keep going while a long prompt is processed."""
         self.check_loaded()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prompt_thread, work, self._prompt_tokenizer)
+        return await loop.run_in_executor(self._prompt_thread, work, self.tokenizer)
 
     def request_grammar(self, constraint: StructuredOutput, param: str) -> GrammarTicket:
         """Start (or find cached) the compile of a request's constraint (engine.structured: in a
@@ -281,8 +278,7 @@ class AsyncEngine:
 
     def adopt(self, core: CoreLike) -> None:
         """On the engine thread, once the core has loaded: what serving needs of it."""
-        self.tokenizer = copy.deepcopy(core.tokenizer)
-        self._prompt_tokenizer = copy.deepcopy(core.tokenizer)
+        self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self._limits = RequestLimits(
             max_model_len=core.max_model_len,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import llguidance
 import torch
 
 # The table reads each int32 word as four bytes, lowest first.
@@ -25,6 +26,36 @@ def bitmask_words(vocab_size: int) -> int:
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A mask of `rows` rows allowing nothing yet (the matchers fill it)."""
     return torch.zeros((rows, bitmask_words(vocab_size)), dtype=torch.int32)
+
+
+def fill_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """``matcher``'s allowed next tokens into row ``row`` of ``bitmask``. llguidance.torch has the
+    same few lines, but importing it compiles a kernel with torch.compile (dynamo and inductor:
+    2.5 s of an engine's start) that the engine never calls."""
+    words = _checked(bitmask)[row]
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+
+def fill_rows(
+    executor: llguidance.LLExecutor,
+    matchers: list[tuple[llguidance.LLMatcher, int]],
+    bitmask: torch.Tensor,
+) -> None:
+    """Each (matcher, row)'s allowed next tokens into its row, on the executor's threads."""
+    words = _checked(bitmask).shape[1]
+    executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, bitmask.shape[0])
+
+
+def _checked(bitmask: torch.Tensor) -> torch.Tensor:
+    """The raw-pointer fills write [rows, words] int32s in place: refuse anything else."""
+    if not (
+        bitmask.dtype == torch.int32
+        and bitmask.dim() == 2
+        and bitmask.is_cpu
+        and bitmask.is_contiguous()
+    ):
+        raise ValueError("a bitmask is a contiguous [rows, words] int32 CPU tensor")
+    return bitmask
 
 
 def _bias_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -4,9 +4,9 @@ sequence takes. Every choice of an ``n > 1`` request has its own."""
 from __future__ import annotations
 
 import llguidance
-import llguidance.torch
 import torch
 
+from engine.structured.bitmask import fill_row, fill_rows
 from engine.structured.grammars import failure_kind
 
 
@@ -41,7 +41,7 @@ class GrammarMatcher:
         return ok and not (self._matcher.is_stopped() and not self._matcher.is_accepting())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        fill_row(self._matcher, bitmask, row)
 
 
 class BitmaskFiller:
@@ -56,4 +56,4 @@ class BitmaskFiller:
             matchers[0].fill(bitmask, 0)
             return
         pairs = [(m._matcher, row) for row, m in enumerate(matchers)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        fill_rows(self._executor, pairs, bitmask)

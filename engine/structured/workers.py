@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from common import processes
@@ -68,8 +69,8 @@ class WorkerProcess:
     """One worker, driven by the one compile thread that owns it (it forks the process, and the
     process dies with that thread: PR_SET_PDEATHSIG); other threads only read `rss_bytes`."""
 
-    def __init__(self, init: dict[str, Any], name: str) -> None:
-        self._init = init  # the first message: tokenizer, limits, memory
+    def __init__(self, init: Callable[[], dict[str, Any]], name: str) -> None:
+        self._init = init  # makes the first message: tokenizer, limits, memory
         self.name = name
         self._proc: subprocess.Popen[bytes] | None = None
         self._reader: FrameReader | None = None
@@ -125,6 +126,7 @@ class WorkerProcess:
 
     def _start(self) -> None:
         self._set_state(W.STARTING)
+        first = {**self._init(), "nice": WORKER_NICE}
         command = [
             sys.executable, "-m", "engine.structured.worker", str(os.getpid()),
             str(WORKER_STACK_BYTES),
@@ -138,7 +140,7 @@ class WorkerProcess:
             self._proc, self._reader = proc, FrameReader(proc.stdout.fileno())  # type: ignore[union-attr]
         try:
             assert proc.stdin is not None
-            proc.stdin.write(encode({**self._init, "nice": WORKER_NICE}))
+            proc.stdin.write(encode(first))
             proc.stdin.flush()
             ready = self._reader.read(time.monotonic() + START_TIMEOUT_S, lambda: False)
         except (BrokenPipeError, ReadTimeout):

@@ -136,3 +136,25 @@ def test_formats_reject_what_they_cannot_hold():
         quantize(torch.zeros(4, 48), "int8")
     with pytest.raises(ValueError, match="unknown format"):
         quantize(torch.zeros(4, 64), "int3")
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("fmt", quant_formats.FORMATS)
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (17, 64), (130, 576)])
+def test_rows_read_back_from_the_packed_layout_are_the_records_values(
+    isa, fmt, out_features, in_features
+):
+    """An embedding tied to a narrow lm_head looks its rows up in the head's packed weight: every
+    row, in any order and repeated, equals the records' dequantised row bit for bit; an id out of
+    range is an IndexError, not a read past the weight."""
+    generator = torch.Generator().manual_seed(out_features)
+    weight = quantize(torch.randn(out_features, in_features, generator=generator) * 3, fmt)
+    lib = quant_gemm.library(isa)
+    packed = quant_gemm.pack(lib, weight)
+    ids = torch.randint(0, out_features, (40,), generator=generator)
+    ids[:2] = torch.tensor([out_features - 1, 0])
+    rows = quant_gemm.unpack_rows(lib, fmt, packed, out_features, in_features, ids)
+    assert torch.equal(rows, weight.dequantize(ids))
+    for bad in (out_features, -1):
+        with pytest.raises(IndexError):
+            quant_gemm.unpack_rows(lib, fmt, packed, out_features, in_features, torch.tensor([bad]))

@@ -100,6 +100,8 @@ def test_real_files_load_as_transformers_dequantises_them(path, native_types):
     assert fast.narrow is not None and loaded.gguf is None
     assert not any(p.is_meta for p in loaded.model.parameters())
     assert isinstance(loaded.model.get_input_embeddings(), QuantizedEmbedding)
+    # both files tie the lm_head to the table: the lookups read the head's packed rows, no copy
+    assert loaded.model.get_input_embeddings().records is None
     ids = torch.tensor([[2, 651, 6037, 573, 1105, 11]])
     scaled = loaded.model.get_input_embeddings()(ids)
     dense_rows = reference["model.embed_tokens.weight"][ids]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -159,3 +161,76 @@ def test_smollm2_gguf_converts_once_then_loads_fast(
         first.model.state_dict().items(), second.model.state_dict().items(), strict=True
     ):
         assert a.is_meta == b.is_meta and (a.is_meta or torch.equal(a, b)), name
+
+
+def test_the_tokenizer_is_shared_by_threads_without_copies(tiny_llama_dir: Path) -> None:
+    """One tokenizer serves the engine thread, the event loop and the prompt thread: loading
+    turns truncation and padding off (the only calls that change the Rust tokenizer, which
+    refuses them while another thread uses it), and templating, encoding and decoding at once
+    from four threads give each call the answer it gives alone."""
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    saved.backend_tokenizer.enable_truncation(8)
+    saved.backend_tokenizer.enable_padding(length=16)
+    shared = loader.shareable_tokenizer(saved)
+    assert shared.backend_tokenizer.truncation is None and shared.backend_tokenizer.padding is None
+    tokenizer = load_model(EngineConfig(model=str(tiny_llama_dir), num_threads=1)).tokenizer
+    assert tokenizer.backend_tokenizer.truncation is None
+
+    texts = [f"{i} tokens of text, " * (1 + i % 40) for i in range(60)]
+    encoded = [tokenizer(t)["input_ids"] for t in texts]
+    decoded = [tokenizer.decode(ids) for ids in encoded]
+    messages = [[{"role": "user", "content": t}] for t in texts]
+    templated = [tokenizer.apply_chat_template(m, tokenize=False) for m in messages]
+    failures: list[str] = []
+
+    def repeat(check: Callable[[int], bool]) -> None:
+        for round_ in range(20):
+            for i in range(len(texts)):
+                try:
+                    if not check(i):
+                        failures.append(f"{check.__name__} {i} in round {round_}")
+                except Exception as exc:  # "Already borrowed", or any other
+                    failures.append(repr(exc))
+
+    def encode(i: int) -> bool:
+        return tokenizer(texts[i])["input_ids"] == encoded[i]
+
+    def decode(i: int) -> bool:
+        return tokenizer.decode(encoded[i]) == decoded[i]
+
+    def template(i: int) -> bool:
+        return tokenizer.apply_chat_template(messages[i], tokenize=False) == templated[i]
+
+    threads = [threading.Thread(target=repeat, args=(f,)) for f in (encode, decode, template)]
+    threads.append(threading.Thread(target=repeat, args=(decode,)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert failures == []
+
+
+GEMMA_GGUF = Path(__file__).resolve().parents[2] / "models" / "gemma-3-270m-q4_k_m.gguf"
+
+
+@pytest.mark.skipif(not GEMMA_GGUF.exists(), reason="Gemma 3 GGUF not fetched")
+def test_the_kept_tokenizer_drops_transformers_construction_copies() -> None:
+    """Gemma's tokenizer class keeps its 262,144-token vocabulary and 514,906 merges as Python
+    objects after building the Rust tokenizer from them: the engine's copy lets them go and
+    tokenises, templates and decodes as a freshly loaded one does."""
+    from transformers import AutoTokenizer
+
+    loaded = load_model(EngineConfig(model=str(GEMMA_GGUF), num_threads=2))
+    fresh = AutoTokenizer.from_pretrained(loaded.source)
+    assert hasattr(fresh, "_vocab") and hasattr(fresh, "_merges")
+    kept = loaded.tokenizer
+    assert not hasattr(kept, "_vocab") and not hasattr(kept, "_merges")
+    text = (Path(__file__).resolve().parents[1] / "data" / "apache-2.0.txt").read_text()[:6000]
+    ids = fresh(text)["input_ids"]
+    assert kept(text)["input_ids"] == ids and len(ids) > 1000
+    assert kept.decode(ids) == fresh.decode(ids)
+    assert kept.convert_ids_to_tokens(ids[:50]) == fresh.convert_ids_to_tokens(ids[:50])
+    assert kept.get_vocab() == fresh.get_vocab() and len(kept) == len(fresh)

@@ -3,8 +3,9 @@
 A decode step reads every weight once, so at small batches its time is the bytes of the weights
 over the memory bandwidth: int8 reads a quarter of fp32's bytes and int4 about a sixth. The
 `QuantizedLinear` GEMMs run in C (kernels/quant_gemm.c) on the weight in the kernel's layout; the
-embedding keeps the column records (one per token) and dequantises only the rows it looks up (an
-lm_head tied to it holds the same values a second time, in the kernel's layout).
+embedding keeps the column records (one per token) and dequantises only the rows it looks up; tied
+to a narrow lm_head (`QuantizedEmbedding.tie_to`), it looks them up in the head's kernel layout
+instead of holding the same values twice (180 MiB of Gemma 3 270M's 262,144-token table).
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """An embedding table held as a QuantizedWeight (one record per token); lookups return fp32
-    rows, or ``dtype`` rows, times ``scale`` where given (Gemma scales its embeddings)."""
+    """An embedding table held as a QuantizedWeight (one record per token), or read from the
+    lm_head it is tied to; lookups return fp32 rows, or ``dtype`` rows, times ``scale`` where
+    given (Gemma scales its embeddings)."""
 
     def __init__(
         self,
@@ -77,16 +79,33 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
         self.scale = scale
         self.register_buffer("records", weight.records, persistent=False)
+        self._head: QuantizedLinear | None = None
 
-    @property
-    def quantized(self) -> QuantizedWeight:
-        return QuantizedWeight(self.fmt, self.embedding_dim, self.records)
+    def tie_to(self, head: QuantizedLinear) -> None:
+        """Look rows up in ``head``'s packed weight, which holds this table's values (an lm_head
+        tied to the embedding), and let the records go. The head stays the model's module, not a
+        submodule of this one; parking moves its tensors in place, so lookups follow them."""
+        if (head.fmt, head.in_features, head.out_features) != (
+            self.fmt,
+            self.embedding_dim,
+            self.num_embeddings,
+        ):
+            raise ValueError("the lm_head is not this embedding's table")
+        object.__setattr__(self, "_head", head)
+        self.records = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.quantized.dequantize(ids.reshape(-1))
+        flat = ids.reshape(-1)
+        head = self._head
+        if head is None:
+            rows = QuantizedWeight(self.fmt, self.embedding_dim, self.records).dequantize(flat)
+        else:
+            n, k = self.num_embeddings, self.embedding_dim
+            rows = quant_gemm.unpack_rows(head._lib, self.fmt, head.packed, n, k, flat)
         if self.scale is not None:
             rows = rows * self.scale
         return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
+        tied = ", read from the lm_head" if self._head is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}{tied}"

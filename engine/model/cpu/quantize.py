@@ -8,7 +8,7 @@ the first kind and leaves the rest dense; ``int8`` / ``int4`` put every linear i
 except that int4 keeps the embedding and lm_head in int8 (as llama.cpp's quantiser keeps its
 output tensor at 6 bits or more: in int4 SmolLM2's top token changed on half of the load probe).
 q/k/v and gate/up fuse into one GEMM each, as on the dense path (parts of mixed formats in int8k,
-which holds each exactly); an lm_head tied to the embedding shares its records.
+which holds each exactly); an embedding tied to a narrow lm_head reads its rows from the head.
 
 engine.model.cpu.narrow_weights checks the result against the dense forward on a probe, as the
 lean forward is checked: a format that moves the model's predictions too far is refused.
@@ -128,6 +128,7 @@ def quantize_model(
         return QuantizedLinear(concatenate(parts), stacked_bias(linears), lib, paired)
 
     embedding = model.get_input_embeddings()
+    tied = id(embedding.weight) == id(model.get_output_embeddings().weight)
     if narrowable_embedding(embedding):
         table = choose(names[id(embedding.weight)], embedding.weight, vocabulary=True)
         if table is not None:
@@ -138,6 +139,9 @@ def quantize_model(
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.Linear and (weight := weight_of(child)) is not None:
                 setattr(parent, child_name, QuantizedLinear(weight, child.bias, lib))
+    narrow_table, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if tied and isinstance(narrow_table, QuantizedEmbedding) and isinstance(head, QuantizedLinear):
+        narrow_table.tie_to(head)
     # The parameters left (norms, dense linears) may be views of the loaded file's mapping, which
     # stays mapped, and its pages resident, for as long as one of them lives: copies let it go.
     for param in model.parameters():

@@ -142,6 +142,49 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
         }
 }
 
+/* Rows ids [count] of the weight quant_pack made packed [n, k] from, dequantised into out
+ * [count, k] fp32: the values the GEMM multiplies by (quant_formats.dequantize's), so an embedding
+ * tied to a narrow lm_head looks its rows up in the head's layout instead of keeping the records
+ * a second time. Returns the index of the first id out of [0, n), or -1. Multiply, then add, as
+ * dequantize does (a fused multiply-add rounds once: 1-ulp differences), whatever -ffp-contract. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+int64_t quant_unpack_rows(int format, const uint8_t *packed, int64_t n, int64_t k,
+                          const int64_t *ids, int64_t count, float *out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    const int64_t nb = k / BLOCK, gb = group_block_bytes(format);
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t id = ids[r];
+        if (id < 0 || id >= n) return r;
+        const int c = (int)(id % GROUP);
+        const uint8_t *group = packed + (id / GROUP) * nb * gb;
+        float *row = out + r * k;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *src = group + b * gb;
+            const float *scales = (const float *)src;
+            float *x = row + b * BLOCK;
+            for (int i = 0; i < BLOCK; i++) {
+                const int quad = i / 4, lane = i % 4;
+                if (format == QUANT_INT4) {
+                    const uint8_t byte = src[64 + (quad % 4) * 32 + c * 4 + lane];
+                    const int q = quad < 4 ? byte & 0x0F : byte >> 4;
+                    x[i] = scales[c] * (float)q + scales[GROUP + c];
+                } else if (format == QUANT_INT8K) {
+                    const int8_t q = (int8_t)src[128 + quad * 32 + c * 4 + lane];
+                    const float d = scales[(i < BLOCK / 2 ? 0 : GROUP) + c];
+                    x[i] = d * (float)q + scales[2 * GROUP + c];
+                } else {
+                    x[i] = scales[c] * (float)(int8_t)src[64 + quad * 32 + c * 4 + lane];
+                }
+            }
+        }
+    }
+    return -1;
+}
+
 /* One block of 32 activations to int8: q = x / d rounded half to even, d = max|x| / 127; returns
  * d and the sum of q. */
 static float quantize_block(const float *x, int8_t *q, int *sum) {

@@ -28,6 +28,8 @@ def library(isa: str | None = None) -> ctypes.CDLL | None:
         lib.quant_packed_bytes.restype = i64
         lib.quant_pack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
         lib.quant_pack.restype = None
+        lib.quant_unpack_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
+        lib.quant_unpack_rows.restype = i64
         lib.quant_gemm_isa.argtypes = []
         lib.quant_gemm_isa.restype = ctypes.c_char_p
         lib.quant_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
@@ -68,6 +70,20 @@ def pack(lib: ctypes.CDLL, weight: QuantizedWeight) -> torch.Tensor:
     packed = torch.empty(lib.quant_packed_bytes(code, n, k), dtype=torch.uint8)
     lib.quant_pack(code, weight.records.contiguous().data_ptr(), n, k, packed.data_ptr())
     return packed
+
+
+def unpack_rows(
+    lib: ctypes.CDLL, fmt: str, packed: torch.Tensor, n: int, k: int, ids: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``ids`` of the [n, k] weight `pack` made ``packed`` from: [len(ids), k] fp32."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.numel(), k), dtype=torch.float32)
+    bad = lib.quant_unpack_rows(
+        FORMAT_CODES[fmt], packed.data_ptr(), n, k, ids.data_ptr(), ids.numel(), out.data_ptr()
+    )
+    if bad >= 0:
+        raise IndexError(f"index {int(ids[bad])} is out of range for {n} rows")
+    return out
 
 
 def gemm(
