@@ -67,8 +67,8 @@ def _needs(path: Path) -> pytest.MarkDecorator:
     ids=["smollm2-q4_1", "gemma3-q4_k_m"],
 )
 def test_real_files_load_as_transformers_dequantises_them(path, native_types):
-    """Against transformers' own GGUF loading (every tensor dequantised to fp32): the tensors
-    left dense are equal, each block tensor's records dequantise to the very same weight (Llama's
+    """Against transformers' own GGUF loading (every tensor dequantised to fp32): a dense load
+    equals it tensor for tensor; in the default mode the tensors left dense are equal, each block tensor's records dequantise to the very same weight (Llama's
     q/k rows in transformers' order), Gemma's Q6_K ffn_down included (int8k)."""
     import gguf
 
@@ -77,6 +77,12 @@ def test_real_files_load_as_transformers_dequantises_them(path, native_types):
     reference = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).state_dict()
+    # every weight dense (--quantization none, a GPU): each the very tensor transformers loads
+    # (Gemma's embedding was once redrawn at random by the init of its scaled-embedding buffer)
+    dense = load_model(EngineConfig(model=str(path), quantization="none", num_threads=2))
+    for name, tensor in dense.model.state_dict().items():
+        assert torch.equal(tensor, reference[name]), name
+    del dense
     ours = loaded.model.state_dict()
     assert ours.keys() == reference.keys()
     meta = {name for name, tensor in ours.items() if tensor.is_meta}

@@ -59,9 +59,13 @@ class GgufWeights:
                 continue
             dense.update(self._dense(name, tensor))
         model.load_state_dict(dense, strict=False, assign=True)
-        for param in dense.values():
-            param._is_hf_initialized = True  # transformers' init leaves these alone
         model.tie_weights()
+        # transformers' init leaves flagged tensors alone: flag the parameters the model now holds
+        # (assign=True wrapped the loaded tensors in new ones), or the init of a module with a
+        # buffer to build (Gemma's scaled embedding) redraws its loaded weight at random
+        for param in model.parameters():
+            if not param.is_meta:
+                param._is_hf_initialized = True
         _init_buffers(model)
 
     def native(self, hf_names: list[str]) -> QuantizedWeight | None:
