@@ -151,12 +151,23 @@ def test_no_change_is_no_swaps() -> None:
 
 def test_memory_use_over_a_timeline() -> None:
     timeline = [
-        {"resident_bytes": 5, "engine_rss_bytes": 4, "models": {"a": ["ready"], "b": ["parked"]}},
-        {"resident_bytes": 9, "engine_rss_bytes": 11, "models": {"a": ["ready"], "b": ["waking"]}},
+        {
+            "resident_bytes": 5,
+            "engine_rss_bytes": 4,
+            "engine_pss_bytes": 3,
+            "models": {"a": ["ready"], "b": ["parked"]},
+        },
+        {
+            "resident_bytes": 9,
+            "engine_rss_bytes": 11,
+            "engine_pss_bytes": 7,
+            "models": {"a": ["ready"], "b": ["waking"]},
+        },
     ]
     out = memory_use(timeline, budget=8)
     assert out["max_resident_bytes"] == 9 and out["samples_over_budget"] == 1
     assert out["max_engine_rss_bytes"] == 11 and out["samples_engine_rss_over_budget"] == 1
+    assert out["max_engine_pss_bytes"] == 7 and out["samples_engine_pss_over_budget"] == 0
     assert out["max_models_awake"] == 2 and out["samples_three_awake"] == 0
     assert memory_use([], 8)["max_resident_bytes"] is None
 

@@ -1,5 +1,6 @@
 """The ``gateway`` section: listen address, timeouts, health checks, ejection, retries, limits on
-clients and bodies, and API keys. Defaults come from the dataclasses in schema.py."""
+clients and bodies, the switches (access log, config watch, engine template), and API keys.
+Defaults come from the dataclasses in schema.py."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def read_gateway(r: Reader) -> GatewaySettings:
         clients=_read_clients(r.section("clients")),
         access_log=r.boolean("access_log", d.access_log),
         watch_config=r.boolean("watch_config", d.watch_config),
+        engine_template=r.boolean("engine_template", d.engine_template),
         auth=_read_auth(r.section("auth")),
         memory=read_memory(r.section("memory")),
     )

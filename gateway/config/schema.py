@@ -90,6 +90,9 @@ class GatewaySettings:
     clients: ClientLimits = field(default_factory=ClientLimits)
     access_log: bool = True
     watch_config: bool = True  # reload when models.yaml changes on disk
+    # fork local engines from a process that has imported what they need (gateway/engines/
+    # template.py): they start without seconds of imports and share its pages; false: exec each
+    engine_template: bool = True
     auth: AuthSettings = AuthSettings()
     memory: MemoryBudget = MemoryBudget()
 

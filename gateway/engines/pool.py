@@ -1,19 +1,19 @@
 """The engine pool: the engine processes of every local model (``source:``), each replica's
 lifecycle driven through its state machine (gateway/engines/replica.py).
 
-Each replica runs ``python -m engine --model SRC --served-model-name NAME --host 127.0.0.1
---port N ...`` on a free loopback port. It joins the router when it becomes READY; if its process
-exits unexpectedly it leaves the router and restarts after an exponential backoff (BACKOFF, reset
-once it has served ``STABLE_AFTER_S``). Only starts that die before READY count towards giving up
-(FAILED, with its last log lines), and how they died decides how soon: an engine that exits by
-itself before it was ever ready has a config problem (a bad path, a bad flag) and is FAILED at
-once; restarts of one that served before, after ``MAX_CRASHES`` such exits since it was last
-ready; starts killed by a signal (the OOM killer on a host packed to its budget, a SIGSEGV, a
+Each replica runs ``python -m engine --model SRC --served-model-name NAME --host 127.0.0.1 --port N
+...`` on a free loopback port, forked from the engine template of its OpenMP wait policy
+(gateway/engines/template.py) or, without one, exec'd. It joins the router when it becomes READY;
+if its process exits unexpectedly it leaves the router and restarts after an exponential backoff
+(BACKOFF, reset once it has served ``STABLE_AFTER_S``). Only starts that die before READY count
+towards giving up (FAILED, with its last log lines), and how they died decides how soon: an engine
+that exits by itself before it was ever ready has a config problem (a bad path, a bad flag) and is
+FAILED at once; restarts of one that served before, after ``MAX_CRASHES`` such exits since it was
+last ready; starts killed by a signal (the OOM killer on a host packed to its budget, a SIGSEGV, a
 kill -9), which say more about the host than the config, after ``MAX_KILLED_STARTS``. A FAILED
 model is tried again by the residency manager (its first request after the Retry-After), an
-operator's load or a reload.
-Crashes while serving, or while waking, never fail it: a request can cause the former
-(gateway/proxy/quarantine.py), and one must not take the model down for everyone.
+operator's load or a reload. Crashes while serving, or while waking, never fail it: a request can
+cause the former (gateway/proxy/quarantine.py), and one must not take the model down for everyone.
 
 A model is *active* when its replicas should serve: pinned models always, on-demand ones while the
 residency manager (gateway/residency) wants them. ``activate`` wakes parked replicas or starts
@@ -45,6 +45,7 @@ from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig
 from gateway.engines.process import (
     ENGINE_LAUNCHER,
     EngineClient,
+    EngineProcess,
     die_with_gateway,
     engine_command,
     exit_reason,
@@ -55,6 +56,7 @@ from gateway.engines.process import (
     spec_of,
 )
 from gateway.engines.replica import LEAVING, Replica, ReplicaListener, ReplicaState
+from gateway.engines.template import EngineTemplates
 
 log = logging.getLogger("modelyard.pool")
 
@@ -98,6 +100,7 @@ class EnginePool:
         self.models: dict[str, ModelConfig] = {}
         self.active: set[str] = set()  # models whose replicas should serve
         self.client = EngineClient()
+        self.templates = EngineTemplates(cwd)  # forks `python -m engine` (ENGINE_LAUNCHER) only
         self._apply_lock = asyncio.Lock()
         self._model_locks: dict[str, asyncio.Lock] = {}
         self._rollouts: set[asyncio.Task[None]] = set()
@@ -115,6 +118,10 @@ class EnginePool:
                 if not model.on_demand:
                     self.active.add(model.name)
             self.active &= set(wanted)
+            self.templates.configure(
+                config.gateway.engine_template and self.launcher == ENGINE_LAUNCHER,
+                {m.spin_wait for m in wanted.values()},
+            )
             await asyncio.gather(*(self._converge_locked(m.name) for m in wanted.values()))
 
     def apply_soon(self, config: FleetConfig) -> None:
@@ -126,6 +133,7 @@ class EnginePool:
             task.cancel()
         async with self._apply_lock:
             await asyncio.gather(*(self._remove_model(name) for name in list(self.replicas)))
+        await self.templates.stop()  # after the engines: theirs die with them
         await self.client.close()
 
     async def _remove_model(self, name: str) -> None:
@@ -334,12 +342,9 @@ class EnginePool:
             # Spin-wait is decided here, at every start, from the fleet as configured now
             # (replica.config follows reloads); a running engine keeps what it started with.
             replica.spin_wait = replica.config.spin_wait
-            command = die_with_gateway() + engine_command(
-                replica.config, replica.port, self.launcher
-            )
             log.info("starting engine for %s on port %d", replica.model, replica.port)
             try:
-                replica.proc = await spawn(command, self.cwd)
+                replica.proc = await self._start_engine(replica)
             except OSError as exc:
                 replica.log_tail.append(f"cannot start the engine: {exc}")
                 replica.set_state(S.STARTING)
@@ -397,6 +402,14 @@ class EnginePool:
             if replica.state is not S.BACKOFF:
                 return
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _start_engine(self, replica: Replica) -> EngineProcess:
+        """Forked from the engine template of its wait policy when there is one, else exec'd."""
+        flags = engine_command(replica.config, replica.port, ())
+        forked = await self.templates.fork(flags, self.cwd, replica.spin_wait)
+        if forked is not None:
+            return forked
+        return await spawn([*die_with_gateway(), *self.launcher, *flags], self.cwd)
 
     async def _wait_ready(self, replica: Replica, state: ReplicaState) -> bool:
         """Polls /ready while the replica stays in ``state`` and its process runs."""

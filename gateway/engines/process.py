@@ -1,7 +1,9 @@
 """An engine process as the pool runs it: its command line, spawning it so that it dies with the
 gateway, relaying its output (and keeping the last lines for ``/admin/models``), signalling it,
 telling how it ended (a signal, or its own exit), and the engine endpoints the pool calls
-(``/ready``, ``/status``, ``/sleep``, ``/wake_up``)."""
+(``/ready``, ``/status``, ``/sleep``, ``/wake_up``). An engine is exec'd here (``spawn``) or
+forked by an engine template (gateway/engines/template.py); the pool sees either through
+``EngineProcess``."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -38,6 +40,17 @@ if os.getppid() != int(sys.argv[1]):
     sys.exit("the gateway is gone")
 os.execvp(sys.argv[2], sys.argv[2:])
 """
+
+
+class EngineProcess(Protocol):
+    """What the pool uses of an engine's process: an asyncio subprocess (exec'd), or a
+    ``ForkedEngine`` (forked by a template, which reports its exit)."""
+
+    pid: int
+    returncode: int | None  # None while it runs; -N: killed by signal N
+    stdout: asyncio.StreamReader | None  # its stdout and stderr
+
+    async def wait(self) -> int: ...
 
 
 def die_with_gateway() -> list[str]:
@@ -85,7 +98,7 @@ async def spawn(command: list[str], cwd: str | None) -> asyncio.subprocess.Proce
     )
 
 
-async def relay_output(proc: asyncio.subprocess.Process, tail: deque[str]) -> None:
+async def relay_output(proc: EngineProcess, tail: deque[str]) -> None:
     """Copies the engine's output to the gateway's stderr (its stdout is the access log), line by
     line, keeping the last ``tail.maxlen`` lines; returns at the engine's end of output."""
     assert proc.stdout is not None
@@ -103,20 +116,23 @@ async def relay_output(proc: asyncio.subprocess.Process, tail: deque[str]) -> No
             sys.stderr.flush()
 
 
-def send_signal(proc: asyncio.subprocess.Process | None, sig: int = signal.SIGTERM) -> None:
+def send_signal(proc: EngineProcess | None, sig: int = signal.SIGTERM) -> None:
     if proc is not None and proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, sig)
 
 
-def has_exited(proc: asyncio.subprocess.Process | None) -> bool:
+def has_exited(proc: EngineProcess | None) -> bool:
     """Whether the process is gone, including one dead but not yet reaped by the event loop (a
-    zombie): the moment after a kill -9, before its supervisor has heard of it."""
+    zombie), or reaped by its template before the gateway heard of it: the moment after a
+    kill -9, before its supervisor has heard of it."""
     if proc is None or proc.returncode is not None:
         return True
     try:
         with open(f"/proc/{proc.pid}/stat", "rb") as f:
             return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return os.path.isdir("/proc/self")  # procfs without it: gone
     except (OSError, IndexError):
         return False  # no procfs: trust returncode
 
@@ -131,7 +147,7 @@ def exit_reason(returncode: int) -> str:
     return f"killed by signal {-returncode}"
 
 
-async def exits_soon(proc: asyncio.subprocess.Process | None) -> bool:
+async def exits_soon(proc: EngineProcess | None) -> bool:
     """Whether the process is gone within ``CRASH_NOTICE_S``: asked after a connection to it
     dropped, which comes a moment before its exit shows (the kernel closes its sockets first)."""
     deadline = time.monotonic() + CRASH_NOTICE_S

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.config import ModelConfig
+from gateway.engines.process import EngineProcess
 
 log = logging.getLogger("modelyard.pool")
 
@@ -87,7 +88,7 @@ class Replica:
     listener: ReplicaListener
     index: int = 0  # its number among the model's replicas (a metrics label)
     port: int = 0
-    proc: asyncio.subprocess.Process | None = None
+    proc: EngineProcess | None = None  # exec'd, or forked from an engine template
     spin_wait: bool = False  # whether the running process got --spin-wait
     restarts: int = 0
     supervisor: asyncio.Task[None] | None = None

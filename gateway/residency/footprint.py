@@ -1,7 +1,8 @@
 """What one engine replica takes: its memory awake and parked, on the host and on the GPU.
 
 Measured figures come from the engine's ``GET /status`` once it is ready and again once it is
-parked: its resident memory, and while awake what it may still grow by (see ``measured_bytes``).
+parked: its memory (PSS, where engines share pages with their template), and while awake what it
+may still grow by (see ``measured_bytes``).
 Before a model's first measurement, an estimate: ``memory_estimate`` from models.yaml, or the
 runtime, the weights as the engine will hold them, the KV budget and structured outputs' memory
 (the grammar cache budget, a compile worker). A GGUF's tensors in a block type the narrow
@@ -113,22 +114,28 @@ def machine_ram_bytes() -> int:
 
 
 def measured_bytes(status: dict[str, object] | None, awake: bool) -> int | None:
-    """What an engine's /status answer says it takes; None when it reports no RSS. Its resident
-    memory (``memory.rss_bytes``), and awake also what it can grow by: the activation peak its
+    """What an engine's /status answer says it takes; None when it reports no memory. Its
+    memory now: its proportional set size (``memory.pss_bytes``) where it reports one, else its
+    resident set (``rss_bytes``); and awake also what it can grow by: the activation peak its
     steps add (``activation_bytes``) and what structured outputs may still add
     (``structured_headroom_bytes``: the room left in its grammar cache, and its grammar-compile
-    workers, child processes outside its RSS, at their most). Parked, the engine drops that
-    cache and stops the workers. A field an engine does not report (an older one, an external
-    server) counts 0."""
+    workers, child processes outside its own memory, at their most). Parked, the engine drops
+    that cache and stops the workers. A field an engine does not report (an older one, an
+    external server) counts 0.
+
+    PSS rather than RSS because engines forked from a template (gateway/engines/template.py)
+    share the interpreter's and torch's pages with it: in RSS each of them would count those
+    whole, in PSS each counts its share, and the template counts the rest once. An exec'd
+    engine's PSS is its RSS less its shares of the libraries other processes map too."""
     memory = status.get("memory") if isinstance(status, dict) else None
     if not isinstance(memory, dict):
         return None
-    rss = _bytes(memory, "rss_bytes")
-    if not rss:
+    held = _bytes(memory, "pss_bytes") or _bytes(memory, "rss_bytes")
+    if not held:
         return None
     if not awake:
-        return rss
-    return rss + _bytes(memory, "activation_bytes") + _bytes(memory, "structured_headroom_bytes")
+        return held
+    return held + _bytes(memory, "activation_bytes") + _bytes(memory, "structured_headroom_bytes")
 
 
 def _bytes(memory: dict[str, object], key: str) -> int:

@@ -47,6 +47,7 @@ _MODEL_STATE_ORDER = (
     S.READY, S.WAKING, S.STARTING, S.BACKOFF, S.PARKING, S.PARKED, S.DRAINING, S.STOPPING, S.FAILED,
 )  # fmt: skip
 PLAN_RETRY_S = 0.25  # a load waiting for room looks again this often
+TEMPLATES = "(engine templates)"  # what the engine templates hold, as a resident of the budget
 
 
 @dataclass
@@ -291,8 +292,13 @@ class ResidencyManager:
         return evictions
 
     def _residents(self, but: str | None = None) -> list[Resident]:
-        """Every model holding memory now, but ``but``."""
-        return [r for n in self.models if n != but and (r := self._resident(n)) is not None]
+        """Every model holding memory now, but ``but``; and the engine templates, once (their
+        PSS: the engines' PSS carries the rest of the pages they share), never evicted."""
+        found = [r for n in self.models if n != but and (r := self._resident(n)) is not None]
+        templates = self.pool.templates.pss_bytes()
+        if templates:
+            found.append(Resident(TEMPLATES, True, templates, templates, 0.0, evictable=False))
+        return found
 
     def _resident(self, name: str) -> Resident | None:
         """The memory ``name`` holds: its awake and parked replicas, or, while its load is under

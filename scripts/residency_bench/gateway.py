@@ -16,7 +16,7 @@ import aiohttp
 import yaml
 
 from common.net import free_port
-from common.processes import alive, children, cmdline, rss_bytes, stop_process
+from common.processes import alive, cmdline, descendants, pss_bytes, rss_bytes, stop_process
 from scripts.residency_bench.summary import Samples, parse_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ class Gateway:
 
     async def _track_engines(self) -> None:
         while self.proc.poll() is None:  # ends with the process (or when stop() cancels it)
-            self.engine_pids |= set(children(self.proc.pid))
+            self.engine_pids |= set(descendants(self.proc.pid))
             await asyncio.sleep(0.5)
 
     def log_tail(self, chars: int = 2000) -> str:
@@ -125,7 +125,7 @@ class Gateway:
         t0 = time.perf_counter()
         async with self.session.post(f"{self.url}/admin/models/{name}/{action}") as reply:
             body = await reply.json(content_type=None)
-            self.engine_pids |= set(children(self.proc.pid))
+            self.engine_pids |= set(descendants(self.proc.pid))
             return reply.status, body, time.perf_counter() - t0
 
     async def models(self) -> dict[str, dict[str, Any]]:
@@ -149,9 +149,13 @@ class Gateway:
                 return value
             await asyncio.sleep(0.2)
 
-    def engine_rss(self) -> int:
-        """The summed resident set of this gateway's engines now (/proc), whatever it plans."""
-        return sum(rss_bytes(pid) or 0 for pid in set(children(self.proc.pid)))
+    def engine_memory(self) -> tuple[int, int]:
+        """What this gateway's engines hold now (/proc), whatever it plans: their summed RSS,
+        and the summed PSS of every process under the gateway (engines, the engine templates
+        they were forked from, compile workers), which counts the pages they share once."""
+        under = descendants(self.proc.pid)
+        rss = sum(rss_bytes(pid) or 0 for pid in under if _is_engine(pid))
+        return rss, sum(pss_bytes(pid) or 0 for pid in under)
 
     async def timeline(self, started: float, interval: float, limit: int) -> list[dict[str, Any]]:
         """Samples every ``interval`` s (at most ``limit``) until cancelled: each model's state
@@ -161,11 +165,13 @@ class Gateway:
             for _ in range(limit):
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     state = await self.get_json("/admin/models")
+                    rss, pss = self.engine_memory()
                     samples.append(
                         {
                             "t_s": round(time.perf_counter() - started, 2),
                             "resident_bytes": state["memory"]["cpu_resident_bytes"],
-                            "engine_rss_bytes": self.engine_rss(),
+                            "engine_rss_bytes": rss,
+                            "engine_pss_bytes": pss,
                             "models": {
                                 m["name"]: [
                                     m["state"],
@@ -190,7 +196,7 @@ class Gateway:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
         if self.proc.poll() is None:
-            self.engine_pids |= set(children(self.proc.pid))
+            self.engine_pids |= set(descendants(self.proc.pid))
         if self.session is not None:
             await self.session.close()
         killed = await asyncio.to_thread(stop_process, self.proc, STOP_TIMEOUT_S)

@@ -149,10 +149,12 @@ _NOT_AWAKE = ("parked", "stopped", "failed")
 
 def memory_use(timeline: list[dict[str, Any]], budget: int) -> dict[str, Any]:
     """From a stream's /admin/models samples: the most the gateway counted resident (and how many
-    samples it was over ``budget``), the most the engines really held (RSS), and the most models
-    awake at once (every state but parked, stopped and failed)."""
+    samples it was over ``budget``), the most the engines really held (RSS, and PSS with the
+    engine templates: what the budget plans with), and the most models awake at once (every state
+    but parked, stopped and failed)."""
     resident = [s["resident_bytes"] for s in timeline]
     rss = [s["engine_rss_bytes"] for s in timeline]
+    pss = [s["engine_pss_bytes"] for s in timeline]
     awake = [sum(m[0] not in _NOT_AWAKE for m in s["models"].values()) for s in timeline]
     return {
         "samples": len(timeline),
@@ -161,6 +163,8 @@ def memory_use(timeline: list[dict[str, Any]], budget: int) -> dict[str, Any]:
         "samples_over_budget": sum(r > budget for r in resident),
         "max_engine_rss_bytes": max(rss, default=None),
         "samples_engine_rss_over_budget": sum(r > budget for r in rss),
+        "max_engine_pss_bytes": max(pss, default=None),
+        "samples_engine_pss_over_budget": sum(p > budget for p in pss),
         "max_models_awake": max(awake, default=None),
         "samples_three_awake": sum(a >= 3 for a in awake),
     }

@@ -42,16 +42,16 @@ def quick(monkeypatch):
 
 @pytest.fixture
 def spawns(monkeypatch) -> list[int]:
-    """The pid of every engine the pool spawns, in order."""
+    """The pid of every engine the pool starts (exec'd or forked by its template), in order."""
     pids: list[int] = []
-    real_spawn = pool_module.spawn
+    real_start = pool_module.EnginePool._start_engine
 
-    async def counted(command: list[str], cwd: str | None):
-        proc = await real_spawn(command, cwd)
+    async def counted(pool, replica):
+        proc = await real_start(pool, replica)
         pids.append(proc.pid)
         return proc
 
-    monkeypatch.setattr(pool_module, "spawn", counted)
+    monkeypatch.setattr(pool_module.EnginePool, "_start_engine", counted)
     return pids
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.net import free_port
-from common.processes import children
+from common.processes import descendants
 from tests.gateway.serve_process import ServeProcess, http_get
 
 
@@ -73,7 +73,7 @@ def test_on_demand_engine_loads_parks_and_wakes_with_the_same_answer(gateway):
     awake = model_info(gateway, "od")
     assert awake["state"] == "ready"
     pid = awake["replicas"][0]["pid"]
-    assert pid in children(gateway.proc.pid)
+    assert pid in descendants(gateway.proc.pid)  # a child of its engine template, or exec'd
     parked = wait_state(gateway, "od", "parked", timeout=30)
     footprint = parked["footprint"]
     assert footprint["source"] == "measured"

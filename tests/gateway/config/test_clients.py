@@ -1,6 +1,6 @@
 """What a client may send and hold: ``gateway.clients`` (deadlines and connection caps),
-``max_body_bytes``, ``max_header_bytes``; and the gateway's switches ``access_log`` and
-``watch_config``."""
+``max_body_bytes``, ``max_header_bytes``; and the gateway's switches ``access_log``,
+``watch_config`` and ``engine_template``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def test_absent_settings_are_the_defaults():
     settings = parsed(document()).gateway
     assert settings.clients == ClientLimits()
     assert (settings.max_body_bytes, settings.max_header_bytes) == (4 * 2**20, 8190)
-    assert settings.access_log and settings.watch_config
+    assert settings.access_log and settings.watch_config and settings.engine_template
 
 
 def test_given_values_are_read():
@@ -32,11 +32,12 @@ def test_given_values_are_read():
             max_header_bytes=1024,
             access_log=False,
             watch_config=False,
+            engine_template=False,
         )
     ).gateway
     assert settings.clients == ClientLimits(1, 2, 3, 4, 1)
     assert (settings.max_body_bytes, settings.max_header_bytes) == (2**20, 1024)
-    assert not settings.access_log and not settings.watch_config
+    assert not settings.access_log and not settings.watch_config and not settings.engine_template
 
 
 @pytest.mark.parametrize(
@@ -64,6 +65,7 @@ def test_client_rules(key, value, problem):
         ("max_header_bytes", 1023, "must be >= 1024, got 1023"),
         ("access_log", "no", "must be true or false, got 'no'"),
         ("watch_config", 1, "must be true or false, got 1"),
+        ("engine_template", "off", "must be true or false, got 'off'"),
     ],
 )
 def test_limit_and_switch_rules(key, value, problem):
