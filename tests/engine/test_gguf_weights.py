@@ -68,8 +68,9 @@ def _needs(path: Path) -> pytest.MarkDecorator:
 )
 def test_real_files_load_as_transformers_dequantises_them(path, native_types):
     """Against transformers' own GGUF loading (every tensor dequantised to fp32): a dense load
-    equals it tensor for tensor; in the default mode the tensors left dense are equal, each block tensor's records dequantise to the very same weight (Llama's
-    q/k rows in transformers' order), Gemma's Q6_K ffn_down included (int8k)."""
+    equals it tensor for tensor; in the default mode the tensors left dense are equal, and each
+    block tensor's records dequantise to the very same weight (Llama's q/k rows in transformers'
+    order), Gemma's Q6_K ffn_down included (int8k)."""
     import gguf
 
     config = EngineConfig(model=str(path), num_threads=2)
