@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench bench-peers lint format models prometheus venv clean
+.PHONY: serve test bench bench-peers bench-density lint format models prometheus venv clean
 
 venv: $(STAMP)
 
@@ -57,9 +57,15 @@ bench: $(STAMP) $(MODEL)
 
 # Modelyard beside llama.cpp's llama-server (built once into .cache/peers/, ~15 min on 2 cores):
 # same model, same seeded load, alternating rounds. MODELYARD_CPU_ISA=avx2 builds both AVX2-only.
-bench-peers: $(STAMP) $(MODEL)
+bench-peers: $(STAMP) $(MODEL) $(GEMMA_MODEL)
 	@mkdir -p bench-results
-	$(PY) scripts/bench_peers.py --model $(MODEL) --out bench-results/peers.json
+	$(PY) scripts/bench_peers.py --model $(MODEL) --model $(GEMMA_MODEL) --out bench-results/peers.json
+
+# Copies of one GGUF awake at once in an 8 GiB budget, and latency with them all awake: Modelyard's
+# gateway (park on) vs llama-server processes on the same file (built as for bench-peers).
+bench-density: $(STAMP) $(MODEL)
+	@mkdir -p bench-results
+	$(PY) scripts/bench_density.py --model $(MODEL) --budget 8GiB --out bench-results/density.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .

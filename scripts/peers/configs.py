@@ -1,6 +1,9 @@
-"""The configurations bench_peers compares: Modelyard's engine at each --quantization, and
-llama-server on the Q4_1 file and its F16 requantization. A configuration whose engine flag does
-not exist (yet) is skipped with the reason, not failed."""
+"""The configurations bench_peers compares on each GGUF: Modelyard's engine on the file's own
+blocks (``modelyard``: --quantization auto, the engine's default on a GGUF) and llama-server on
+the same file (``llama``), for any file; and on request the engine at another --quantization and
+llama-server on an F16 requantization of the file. A configuration that does not apply (an engine
+flag that does not exist yet, ``llama-q4_1`` on a file that is not Q4_1) is skipped with the
+reason, not failed."""
 
 from __future__ import annotations
 
@@ -14,24 +17,40 @@ class Config:
     server: str  # "modelyard" or "llama"
     fmt: str  # the weight format the bandwidth bound counts (scripts.peers.weights)
     quantization: str | None = None  # Modelyard's --quantization value
-    model: str = "q4_1"  # llama-server: "q4_1" (the GGUF) or "f16" (requantized from it)
+    model: str = "file"  # llama-server: "file" (the GGUF given) or "f16" (requantized from it)
+    file_type: str | None = None  # only for a GGUF of this type (the name promises it)
 
 
 CONFIGS = {
     c.name: c
     for c in (
+        Config("modelyard", "modelyard", "auto", quantization="auto"),
+        Config("llama", "llama", "gguf"),
+        # SmolLM2's Q4_1 comparisons: modelyard-auto is modelyard, llama-q4_1 is llama on a Q4_1
         Config("modelyard-auto", "modelyard", "auto", quantization="auto"),
         Config("modelyard-int4", "modelyard", "int4", quantization="int4"),
         Config("modelyard-int8", "modelyard", "int8", quantization="int8"),
         Config("modelyard-fp32", "modelyard", "fp32", quantization="none"),
-        Config("llama-q4_1", "llama", "gguf", model="q4_1"),
+        Config("llama-q4_1", "llama", "gguf", file_type="Q4_1"),
         Config("llama-f16", "llama", "f16", model="f16"),
     )
 }
-LLAMA_SAME_FILE = "llama-q4_1"
-# By default Modelyard at int4, int8 and fp32, llama-server at Q4_1 and F16; modelyard-auto (the
-# engine's default on a GGUF: each tensor's own block type) on request.
-DEFAULT_CONFIGS = ("modelyard-int4", "modelyard-int8", "modelyard-fp32", "llama-q4_1", "llama-f16")
+DEFAULT_CONFIGS = ("modelyard", "llama")
+
+
+def same_file_llama(names: list[str]) -> str | None:
+    """Of ``names``, the first llama-server configuration on the file itself (not requantized):
+    what a Modelyard configuration's ratios compare with."""
+    return next(
+        (n for n in names if CONFIGS[n].server == "llama" and CONFIGS[n].model == "file"), None
+    )
+
+
+def file_type_mismatch(config: Config, file_type: str) -> str | None:
+    """Why ``config`` does not apply to a file of ``file_type``, or None when it does."""
+    if config.file_type is not None and config.file_type != file_type:
+        return f"the file is {file_type}, not {config.file_type} (use llama)"
+    return None
 
 
 def parse_configs(text: str) -> list[Config]:

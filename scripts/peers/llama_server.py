@@ -1,26 +1,24 @@
 """llama-server started by the benchmark on a free loopback port, configured like Modelyard's
-engine for the same workload, and stopped; and the F16 GGUF it runs beside the Q4_1 one."""
+engine for the same workload, and stopped; and the F16 GGUF it may run beside the file given."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 from common.net import free_port
 from common.processes import stop_process
 from engine.model.cpu.openmp_env import configure
+from scripts.peers.ready import wait_ready
 
 
 def f16_model(quantize: Path, source: Path, cache: Path) -> Path:
     """``source`` requantized to F16 by llama-quantize, once. Its weights are the dequantized
-    Q4_1 values, so its outputs match the Q4_1 file's quality: only its speed differs."""
-    dest = cache / f"{source.stem.rsplit('.', 1)[0]}.F16.gguf"
+    values of the source's blocks, so its outputs match the file's quality: only its speed
+    differs. Named after the whole source stem: two quantizations of one model differ."""
+    dest = cache / f"{source.stem}.F16.gguf"
     if dest.exists() and dest.stat().st_mtime >= source.stat().st_mtime:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -92,20 +90,7 @@ class LlamaServer:
 
     def wait_ready(self, timeout: float) -> None:
         """/health answers 503 while the model loads, 200 once it serves."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                signal_name = f" ({signal.Signals(-code).name})" if code < 0 else ""
-                raise RuntimeError(f"llama-server exited with code {code}{signal_name}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"llama-server not ready after {timeout} s")
+        wait_ready(self.proc, self.url + "/health", "llama-server", timeout)
 
     def stop(self) -> int | None:
         stop_process(self.proc, 30)

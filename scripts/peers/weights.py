@@ -10,12 +10,11 @@ percent of the weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
-
 from engine.model.cpu.quant_formats import GGUF_BLOCKS, record_bytes
+from scripts.peers.gguf_header import TensorInfo as Tensor
+from scripts.peers.gguf_header import read_header
 
 # Bytes per matrix weight of the plain formats. "gguf": as the file stores it (Q4_1's 20-byte
 # blocks of 32, the embedding's Q8_0), what llama-server reads. "int8" and "int4": Modelyard's
@@ -27,27 +26,8 @@ PLAIN_BYTES = {"f16": 2, "fp32": 4}
 NORM_BYTES = 4  # per element of a 1-D tensor: F32 in every format
 
 
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    ggml_type: str  # "Q4_1", "Q8_0", "F32", ...
-    shape: tuple[int, ...]  # GGUF order: inputs first
-    n_bytes: int  # as stored in the file
-
-    @property
-    def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
 def read_tensors(path: Path) -> list[Tensor]:
-    reader = gguf.GGUFReader(path)
-    return [
-        Tensor(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.n_bytes))
-        for t in reader.tensors
-    ]
+    return read_header(path).tensors
 
 
 # The embedding / tied lm_head: int4 mode keeps it in int8 (engine/model/cpu/quantize.py).
