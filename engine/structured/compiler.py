@@ -54,6 +54,9 @@ POLL_S = 1.0  # how often an idle compile thread looks for a stop request
 # A worker's resident memory before one has been measured: the interpreter, llguidance and its
 # tokenizer (about 100 MB for a 49k vocabulary).
 WORKER_RSS_ESTIMATE = 128 * 2**20
+# The vocabulary's memory in the engine once built (llguidance's tokenizer and the JSON it is built
+# from): 1.06 KiB a token for Gemma 3's 262,144 (280 MB); counted as headroom until then.
+VOCABULARY_BYTES_PER_TOKEN = 1088
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,9 @@ class CompilerStats:
     cache_budget_bytes: int
     cached_grammars: int
     workers_rss_bytes: int  # the worker processes now (outside the engine's own RSS)
-    # what structured outputs may add to the engine's RSS: the budget not yet used, and the
-    # workers (outside that RSS), every one of them at its measured size
+    # what structured outputs may add to the engine's RSS: the budget not yet used, the workers
+    # (outside that RSS), every one of them at its measured size, and the vocabulary until the
+    # first compile has built it
     headroom_bytes: int
     compiles: dict[str, int]  # outcome -> count: ok, refused codes, cancelled
 
@@ -215,7 +219,12 @@ class GrammarCompiler:
             cached_grammars=len(cache),
             workers_rss_bytes=sum(rss),
             headroom_bytes=max(0, cache.budget_bytes - cache.charged_bytes)
-            + max(workers_at_most, sum(rss)),
+            + max(workers_at_most, sum(rss))
+            + (
+                0
+                if self._ll_tokenizer is not None
+                else self._vocab_size * VOCABULARY_BYTES_PER_TOKEN
+            ),
             compiles=dict(self._outcomes),
         )
 

@@ -8,11 +8,12 @@ runtime, the weights as the engine will hold them, the KV budget and structured 
 (the grammar cache budget, a compile worker). A GGUF's tensors in a block type the narrow
 formats hold (Q4_0/1, Q4_K, Q5_0/1, Q5_K, Q6_K, Q8_0) stay in those blocks, widened to fp32
 scales (1.1-1.8x their bytes); the others are dequantised to fp32 (up to 8x), and the tokenizer
-comes on top (Gemma 3's 262,144-token one: ~400 MB in the engine, ~130 MB more for structured
-outputs). Measured at start, engine alone on CPU, 256 MiB KV (2026-12-04, docs/PERFORMANCE.md):
-Gemma 3 270M Q4_K_M (a 253 MB file, every linear narrow) 2.2-2.3 GB resident, i.e. ~5.5x its
-file once the runtime and KV are taken off. The estimate takes 6x, so that no file is
-under-counted until its first start measures it.
+comes on top (Gemma 3's 262,144-token one: ~100 MB in the engine; structured outputs' vocabulary
+is in the engine's headroom until built). Measured at start, engine alone on CPU, 256 MiB KV
+(2026-12-07, docs/PERFORMANCE.md): Gemma 3 270M Q4_K_M (a 253 MB file, every linear narrow)
+1.49 GB resident, SmolLM2-135M Q4_1 (98 MB) 0.95 GB, i.e. 2.8x and 1.7x their files once the
+runtime and KV are taken off. The estimate takes 3x, so that no file is under-counted until its
+first start measures it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ ENGINE_STRUCTURED_CACHE_DEFAULT = 256 * 2**20  # that flag's default
 # One grammar-compile worker process (the engine's default count): the interpreter, llguidance
 # and the tokenizer (about 100 MB for a 49k vocabulary)
 COMPILE_WORKER_ESTIMATE = 128 * 2**20
-GGUF_EXPANSION = 6  # the weights and tokenizer as held over the file's size (see above)
+GGUF_EXPANSION = 3  # the weights and tokenizer as held over the file's size (see above)
 FOLDER_EXPANSION = 2  # fp32 checkpoint + its prepacked copy
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 

@@ -293,3 +293,23 @@ def test_clear_drops_grammars_nobody_holds_and_stops_workers(make) -> None:
         time.sleep(0.05)
     assert compiler.stats().workers_rss_bytes == 0
     assert compiler.stats().headroom_bytes >= compiler.settings.cache_memory
+
+
+def test_the_vocabulary_is_built_by_the_first_compile_and_counted_as_headroom_until_then(
+    make, monkeypatch
+) -> None:
+    """An engine nobody asks for structured outputs never builds llguidance's vocabulary (3.4 s
+    and ~280 MB for a 262,144-token one); until the first compile builds it, the headroom the
+    gateway plans with counts it (here at 8 MiB a token, so that it outweighs the workers' and
+    the cache's share of the headroom, which the compile changes too)."""
+    from engine.structured import compiler as compiler_module
+
+    monkeypatch.setattr(compiler_module, "VOCABULARY_BYTES_PER_TOKEN", 8 * 2**20)
+    compiler = make()
+    vocabulary = compiler._vocab_size * 8 * 2**20
+    before = compiler.stats().headroom_bytes
+    assert before >= vocabulary
+    assert compiler._ll_tokenizer is None
+    compiler.compile(StructuredOutput("regex", "[xy]+"))
+    assert compiler._ll_tokenizer is not None
+    assert compiler.stats().headroom_bytes < before - vocabulary + 2**30
