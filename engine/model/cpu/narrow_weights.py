@@ -102,7 +102,7 @@ def narrow_weights(
     keeps dense weights. ``gguf``: the file's weights, whose blocks go in as they are (in
     ``gguf`` mode the model is then the file's, and nothing is left to check); int8 / int4 are
     checked on a probe against the dense model. ``source``: the folder the model was loaded
-    from, whose int8 / int4 weights are cached (engine.model.cpu.narrow_cache)."""
+    from, whose narrow weights are cached (engine.model.cpu.narrow_cache)."""
     try:
         return _narrow_weights(model, dtype, config, source, gguf)
     finally:
@@ -134,14 +134,14 @@ def _narrow_weights(
         )
     started = time.monotonic()
     native = gguf.native if gguf is not None else None
+    cache = narrow_cache.cache_path(source, mode) if source else None
     if mode == "gguf":
-        report = quantize_model(model, mode, native, lib)
+        report = quantize_model(model, mode, native, lib, cache)
         _log_report(lib, report, None, started)
         return report if report.native else None
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(vocab, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(0))
     reference = probe_logits(model, ids)
-    cache = narrow_cache.cache_path(source, mode) if source else None
     report = quantize_model(model, mode, native, lib, cache)
     if not report.native and not report.quantized:
         return None

@@ -17,7 +17,7 @@ lean forward is checked: a format that moves the model's predictions too far is 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +59,7 @@ class _Quantizer:
     choices (by parameter name) where given; `choices` are what it chose, for the cache."""
 
     def __init__(
-        self, mode: str, native: NativeBlocks | None, cached: dict[str, Choice] | None
+        self, mode: str, native: NativeBlocks | None, cached: Mapping[str, Choice] | None
     ) -> None:
         self.mode, self.native, self.cached = mode, native, cached
         self.report = QuantizedModel()
