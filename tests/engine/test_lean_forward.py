@@ -25,6 +25,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.model.cpu import lean_forward
 from engine.model.cpu.kernels import panel_gemm, quant_gemm
 from engine.model.cpu.kernels.build import available
+from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
 from engine.model.cpu.lean_forward import LeanLlamaForward
 from engine.model.cpu.quant_linear import QuantizedLinear
 from engine.model.runner import _LEAN_TOLERANCE, _NARROW_LEAN_TOLERANCE
@@ -194,14 +195,28 @@ def test_lean_logits_match_on_narrow_weights(
 ) -> None:
     """Every linear in int8 (int4 moves the top token of some tiny random models too far for the
     load's quantisation probe), the same ones in both paths: the logits agree within the runner's
-    tolerance for narrow weights (their GEMMs round activations to int8)."""
+    tolerance for narrow weights (their GEMMs round activations to int8). Decode steps run every
+    layer in one call (NarrowDecoder), q/k norms, sandwich norms, GeGLU and two rotary tables
+    included; Phi-3's own, unpaired [gate; up] layer by layer."""
     core = make_core(model_dir(arch), quantization="int8")
     lean = core.runner.lean
     assert lean is not None
     assert all(isinstance(m, QuantizedLinear) for layer in lean.layers for m in layer.linears())
     assert isinstance(lean.lm_head, QuantizedLinear)
+    one_call = arch != "phi3" and available()
+    assert (lean.narrow is not None) == one_call
+    calls = 0
+    decode = NarrowDecoder.__call__
+
+    def counted_decode(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(NarrowDecoder, "__call__", counted_decode)
     compared = compare_step_by_step(core, monkeypatch)
     assert compared.within(_NARROW_LEAN_TOLERANCE), (compared.worst, compared.scale)
+    assert (calls > 0) == one_call
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -7,6 +7,7 @@ book their calls there like any attention call, so the context stays device-neut
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,16 +45,22 @@ class FusedDecode:
         return self._ctx.attended(layer, started, out, projected)
 
     def all_layers(
-        self, decoder: NarrowDecoder, x: torch.Tensor, threads: int, logits: bool
+        self,
+        decoder: NarrowDecoder,
+        x: torch.Tensor,
+        threads: int,
+        logits: bool,
+        rotary: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> NarrowOutput | None:
         """Every layer of ``decoder`` over ``x`` [B, hidden] (fp32 embeddings) and the final norm
-        in one call, with ``logits`` the lm_head too; each layer's norm, qkv GEMM and attention is
-        booked as its attention call (the GEMM also as QKV_IN_ATTENTION). None, and x untouched,
-        for other activations: run the layers one by one."""
+        in one call, with ``logits`` the lm_head too; ``rotary``: the step's rotary tables (cos/sin
+        [B, head_dim]), of which each layer's record picks one. Each layer's norm, qkv GEMM and
+        attention is booked as its attention call (the GEMM also as QKV_IN_ATTENTION). None, and x
+        untouched, for other activations: run the layers one by one."""
         if x.dtype != torch.float32:
             return None
         timed = self._ctx.profile is not None
-        out = decoder(self._step, self._ctx.kv_caches, x, threads, logits, timed=timed)
+        out = decoder(self._step, self._ctx.kv_caches, x, threads, logits, rotary, timed=timed)
         self._ctx.attended_all(out.spans)
         return out
 

@@ -78,13 +78,10 @@ class LeanLlamaForward:
         self.lm_head: Linear = model.lm_head
         self.layers = decoder_layers(inner.layers, family, rope_keys)
         self.mlp_width = self.layers[0].down.in_features
-        # decode steps on narrow weights of the plain block: every layer in one C call
+        # decode steps on narrow weights: every layer in one C call (NarrowDecoder.build refuses
+        # what the kernel does not run, e.g. Phi-3's unpaired gate_up)
         self.narrow: NarrowDecoder | None = None
-        if all(
-            layer.plain and isinstance(m, QuantizedLinear)
-            for layer in self.layers
-            for m in layer.linears()
-        ):
+        if all(isinstance(m, QuantizedLinear) for layer in self.layers for m in layer.linears()):
             qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             lm_head = self.lm_head if isinstance(self.lm_head, QuantizedLinear) else None
             self.narrow = NarrowDecoder.build(self.layers, qkv_width, self.final_norm, lm_head)
@@ -124,7 +121,7 @@ class LeanLlamaForward:
         if fused is not None and self.narrow is not None:
             # every row sampled (a decode step's rows are its samples): the logits in the call
             every_row = sample_rows is not None and len(sample_rows) == tokens
-            out = fused[0].all_layers(self.narrow, x, gemms.threads, every_row)
+            out = fused[0].all_layers(self.narrow, x, gemms.threads, every_row, tables)
             if out is not None:
                 if sample_rows is None:
                     return None

@@ -97,12 +97,6 @@ class LlamaLayer:
     activation: nn.Module | None = None  # the model's own, on the gate; None: silu (fused)
     rope: int = 0  # which of the step's rotary tables (Gemma 3: local or global)
 
-    @property
-    def plain(self) -> bool:
-        """Whether this is the plain Llama block (what the one-call narrow decode runs)."""
-        extras = (self.qk_norm, self.attn_out_norm, self.mlp_out_norm, self.activation)
-        return all(e is None for e in extras) and self.rope == 0
-
     def linears(self) -> tuple[Linear, ...]:
         return self.qkv, self.o_proj, self.gate_up, self.down
 

@@ -1,5 +1,5 @@
 /* e^x for x <= 0 in plain C that gcc vectorises (libm's expf stays scalar without -ffast-math),
- * and the SiLU built on it, shared by the kernels. */
+ * and the SiLU and tanh-approximated GELU built on it, shared by the kernels. */
 #ifndef MODELYARD_FAST_EXP_H
 #define MODELYARD_FAST_EXP_H
 
@@ -32,6 +32,14 @@ static inline float exp_nonpositive(float x) {
 static inline float silu(float x) {
     const float e = exp_nonpositive(-fabsf(x));
     return x * (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+/* gelu(x) with torch's tanh approximation, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715
+ * x^3): the same as x * sigmoid(2 u), which e^-|2u| gives without overflow (as silu's). */
+static inline float gelu_tanh(float x) {
+    const float u2 = 1.5957691216057308f * (x + 0.044715f * x * x * x);
+    const float e = exp_nonpositive(-fabsf(u2));
+    return x * (u2 >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
 #endif

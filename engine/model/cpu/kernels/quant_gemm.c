@@ -489,9 +489,12 @@ static void group_tile(const NarrowLinear *w, int64_t g0, int64_t g1, const Quan
 }
 
 /* Gate groups [g0, g1) of a [gate; up] weight (n = 2 width, width % 8 == 0) for every row:
- * act [m, width] = silu(gate) * up, the up half's group g + width / 8 beside gate group g. */
-static void gated_tile(const NarrowLinear *w, int64_t g0, int64_t g1, const QuantRow *x,
-                       int64_t m, float *act) {
+ * act [m, width] = activation(gate) * up, the up half's group g + width / 8 beside gate group g.
+ * Inlined per activation (gelu_tanh constant), so each epilogue's loop vectorises. */
+static inline __attribute__((always_inline)) void gated_tile(const NarrowLinear *w, int64_t g0,
+                                                             int64_t g1, const QuantRow *x,
+                                                             int64_t m, float *act,
+                                                             const int gelu) {
     const int64_t width = w->n / 2, up_groups = width / GROUP;
     for (int64_t g = g0; g < g1; g++)
         for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
@@ -501,40 +504,44 @@ static void gated_tile(const NarrowLinear *w, int64_t g0, int64_t g1, const Quan
             group_out(w, g + up_groups, x, r0, rows, up);
             const int64_t c0 = g * GROUP;
             for (int r = 0; r < rows; r++)
-                for (int c = 0; c < GROUP; c++)
+                for (int c = 0; c < GROUP; c++) {
+                    const float z = gate[r][c] + bias_of(w, c0 + c);
                     act[(r0 + r) * width + c0 + c] =
-                        silu(gate[r][c] + bias_of(w, c0 + c)) *
-                        (up[r][c] + bias_of(w, width + c0 + c));
+                        (gelu ? gelu_tanh(z) : silu(z)) * (up[r][c] + bias_of(w, width + c0 + c));
+                }
         }
 }
 
 /* The tiles of groups [0, groups) of GROUPS_PER_TILE each, shared over the calling team; gated:
- * gated_tile's, over the gate half's groups. Guided: each thread takes long runs of consecutive
- * tiles, one sequential stream of weights, and the shrinking last runs even out a late thread.
- * Tiles handed out one by one (dynamic) interleaved the threads every ~7 KB, which broke both
- * streams: 2 threads then read slower than 1 (docs/PERFORMANCE.md#narrow-weights). */
+ * gated_tile's with `activation` (an ACT_ code), over the gate half's groups. Guided: each thread
+ * takes long runs of consecutive tiles, one sequential stream of weights, and the shrinking last
+ * runs even out a late thread. Tiles handed out one by one (dynamic) interleaved the threads
+ * every ~7 KB, which broke both streams: 2 threads then read slower than 1
+ * (docs/PERFORMANCE.md#narrow-weights). */
 static void shared_tiles(const NarrowLinear *w, const QuantRow *x, int64_t m, float *y,
-                         int gated) {
+                         int gated, int activation) {
     const int64_t groups = gated ? w->n / 2 / GROUP : groups_of(w->n);
     const int64_t tiles = (groups + GROUPS_PER_TILE - 1) / GROUPS_PER_TILE;
 #pragma omp for schedule(guided) nowait
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t g0 = t * GROUPS_PER_TILE;
         const int64_t g1 = g0 + GROUPS_PER_TILE < groups ? g0 + GROUPS_PER_TILE : groups;
-        if (gated)
-            gated_tile(w, g0, g1, x, m, y);
+        if (gated && activation == ACT_GELU_TANH)
+            gated_tile(w, g0, g1, x, m, y, 1);
+        else if (gated)
+            gated_tile(w, g0, g1, x, m, y, 0);
         else
             group_tile(w, g0, g1, x, m, y);
     }
 }
 
 void quant_gemm_shared(const NarrowLinear *w, const QuantRow *rows, int64_t m, float *y) {
-    shared_tiles(w, rows, m, y, 0);
+    shared_tiles(w, rows, m, y, 0, ACT_SILU);
 }
 
-void quant_gated_shared(const NarrowLinear *gate_up, const QuantRow *rows, int64_t m,
-                        float *act) {
-    shared_tiles(gate_up, rows, m, act, 1);
+void quant_gated_shared(const NarrowLinear *gate_up, const QuantRow *rows, int64_t m, float *act,
+                        int activation) {
+    shared_tiles(gate_up, rows, m, act, 1, activation);
 }
 
 QuantRow *quant_rows_alloc(int64_t m, int64_t k) {

@@ -36,8 +36,13 @@ void quant_rows_fill(const float *x, int64_t m, int64_t k, QuantRow *rows, int64
  * orphaned work-sharing loop without a barrier at its end). */
 void quant_gemm_shared(const NarrowLinear *w, const QuantRow *rows, int64_t m, float *y);
 
-/* act [m, width] = silu(gate) * up of a [gate; up] weight (gate_up->n = 2 width, width % 8 == 0:
- * each gate group beside its up group), shared like quant_gemm_shared. */
-void quant_gated_shared(const NarrowLinear *gate_up, const QuantRow *rows, int64_t m, float *act);
+/* The gated MLP's activation on the gate: silu (Llama's SwiGLU) or the tanh-approximated gelu
+ * (Gemma's GeGLU). */
+enum { ACT_SILU, ACT_GELU_TANH };
+
+/* act [m, width] = activation(gate) * up of a [gate; up] weight (gate_up->n = 2 width,
+ * width % 8 == 0: each gate group beside its up group), shared like quant_gemm_shared. */
+void quant_gated_shared(const NarrowLinear *gate_up, const QuantRow *rows, int64_t m, float *act,
+                        int activation);
 
 #endif
