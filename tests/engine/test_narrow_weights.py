@@ -3,6 +3,9 @@ the engine running on them (lean forward included)."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -17,6 +20,7 @@ from engine.model.cpu.kernels import quant_gemm
 from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
 from engine.model.cpu.lean_forward import LeanLlamaForward
 from engine.model.cpu.narrow_weights import check_quantization
+from engine.model.cpu.quant_formats import QuantizedWeight
 from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
 from engine.model.loader import load_model
 from tests.conftest import SMOLLM2_GGUF
@@ -189,3 +193,21 @@ def test_a_gguf_files_own_blocks_are_cached_as_records(tmp_path, monkeypatch: py
     assert all(torch.equal(first_packed[n], second_packed[n]) for n in first_packed)
     cached = narrow_cache.load(next((tmp_path / "cache" / "narrow").glob("*.safetensors")))
     assert cached is not None and len(cached) > 200
+
+
+def test_cache_files_nobody_read_for_two_weeks_go_at_the_next_write(tmp_path):
+    """A read touches its file; a write removes the files not read for STALE_AFTER_S, so the
+    records of GGUFs taken out of models.yaml (~1.3x each file) do not pile up."""
+    weight = QuantizedWeight("int8", 32, torch.zeros(4, 36, dtype=torch.uint8))
+    folder = tmp_path / "narrow"
+    old, kept, new = (folder / f"{name}.safetensors" for name in ("old", "kept", "new"))
+    for path in (old, kept):
+        narrow_cache.save(path, {"w": (weight, True)})
+    weeks_ago = time.time() - narrow_cache.STALE_AFTER_S - 60
+    for path in (old, kept):
+        os.utime(path, (weeks_ago, weeks_ago))
+    assert narrow_cache.load(kept) is not None  # read: touched
+    narrow_cache.save(new, {"w": (weight, False)})
+    assert not old.exists() and kept.exists() and new.exists()
+    loaded_weight, native = narrow_cache.load(new)["w"]
+    assert not native and torch.equal(loaded_weight.records, weight.records)
