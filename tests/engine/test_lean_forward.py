@@ -196,14 +196,14 @@ def test_lean_logits_match_on_narrow_weights(
     """Every linear in int8 (int4 moves the top token of some tiny random models too far for the
     load's quantisation probe), the same ones in both paths: the logits agree within the runner's
     tolerance for narrow weights (their GEMMs round activations to int8). Decode steps run every
-    layer in one call (NarrowDecoder), q/k norms, sandwich norms, GeGLU and two rotary tables
-    included; Phi-3's own, unpaired [gate; up] layer by layer."""
+    layer in one call (NarrowDecoder), q/k norms, sandwich norms, GeGLU, two rotary tables and
+    Phi-3's own [gate; up] (packed paired) included."""
     core = make_core(model_dir(arch), quantization="int8")
     lean = core.runner.lean
     assert lean is not None
     assert all(isinstance(m, QuantizedLinear) for layer in lean.layers for m in layer.linears())
     assert isinstance(lean.lm_head, QuantizedLinear)
-    one_call = arch != "phi3" and available()
+    one_call = available()
     assert (lean.narrow is not None) == one_call
     calls = 0
     decode = NarrowDecoder.__call__

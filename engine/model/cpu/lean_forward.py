@@ -79,7 +79,7 @@ class LeanLlamaForward:
         self.layers = decoder_layers(inner.layers, family, rope_keys)
         self.mlp_width = self.layers[0].down.in_features
         # decode steps on narrow weights: every layer in one C call (NarrowDecoder.build refuses
-        # what the kernel does not run, e.g. Phi-3's unpaired gate_up)
+        # what the kernel does not run)
         self.narrow: NarrowDecoder | None = None
         if all(isinstance(m, QuantizedLinear) for layer in self.layers for m in layer.linears()):
             qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim

@@ -187,6 +187,8 @@ class StepGemms:
 
 # Projections that transformers models apply to the same input one after the other; on the
 # prepacked path each group runs as one GEMM (fewer, wider GEMMs are faster on CPU).
+# A model's own [gate; up] linear (Phi-3's), packed paired too (see own_gate_up).
+OWN_GATE_UP = "gate_up_proj"
 # The MLP's pair, whose fused weight is packed paired (see PrepackedLinear).
 GATE_UP = ("gate_proj", "up_proj")
 FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), GATE_UP)
@@ -311,7 +313,17 @@ def prepack_linears(model: nn.Module, batch_size_hint: int, fuse: bool = True) -
             replaced += fuse_groups(parent, build)
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                packed = PrepackedLinear(child.weight, child.bias, batch_size_hint, arena=arena)
+                paired = own_gate_up(name, child)
+                packed = PrepackedLinear(
+                    child.weight, child.bias, batch_size_hint, paired, arena=arena
+                )
                 setattr(parent, name, packed)
                 replaced += 1
     return replaced
+
+
+def own_gate_up(name: str, linear: nn.Linear) -> bool:
+    """Whether ``linear`` is a model's own [gate; up] projection (Phi-3's ``gate_up_proj``, gate
+    rows first, as its MLP chunks the output), which packs paired like a fused gate/up. A model
+    whose halves came the other way round would fail the lean forward's load probe, not run."""
+    return name == OWN_GATE_UP and linear.out_features % 2 == 0

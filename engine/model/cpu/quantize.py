@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.model.cpu import narrow_cache
-from engine.model.cpu.linear import fuse_groups, stacked_bias
+from engine.model.cpu.linear import fuse_groups, own_gate_up, stacked_bias
 from engine.model.cpu.narrow_cache import Choice
 from engine.model.cpu.quant_formats import QuantizedWeight, concatenate, quantizable, quantize
 from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
@@ -138,7 +138,8 @@ def quantize_model(
         fuse_groups(parent, build)
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.Linear and (weight := weight_of(child)) is not None:
-                setattr(parent, child_name, QuantizedLinear(weight, child.bias, lib))
+                paired = own_gate_up(child_name, child)
+                setattr(parent, child_name, QuantizedLinear(weight, child.bias, lib, paired))
     narrow_table, head = model.get_input_embeddings(), model.get_output_embeddings()
     if tied and isinstance(narrow_table, QuantizedEmbedding) and isinstance(head, QuantizedLinear):
         narrow_table.tie_to(head)
