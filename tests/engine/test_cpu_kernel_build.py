@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model import cache_dir
 from engine.model.attention.backends import BACKEND_ENV, paged_attention, select_backend
 from engine.model.cpu.kernels import build
 from tests.engine.test_attention import make_batch, reference_attention
@@ -54,15 +55,15 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path: Path, caplog):
 
 
 def test_builds_unused_for_weeks_are_removed(monkeypatch, tmp_path: Path):
-    """A new build removes builds that no process loaded for _STALE_AFTER_S; loading a build
-    marks it used."""
+    """A new build removes builds that no process loaded for STALE_AFTER_S (two weeks); loading a
+    build marks it used."""
     monkeypatch.setenv("MODELYARD_CACHE_DIR", str(tmp_path))
     folder = tmp_path / "cpu_kernels"
     folder.mkdir()
     stale, recent = folder / "cpu_kernels-stale.so", folder / "cpu_kernels-recent.so"
     stale.write_bytes(b"")
     recent.write_bytes(b"")
-    weeks_ago = time.time() - build._STALE_AFTER_S - 3600
+    weeks_ago = time.time() - cache_dir.STALE_AFTER_S - 3600
     os.utime(stale, (weeks_ago, weeks_ago))
     built = build._build(["cc"])
     assert built.exists() and recent.exists() and not stale.exists()

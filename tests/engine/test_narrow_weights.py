@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.core.llm import LLM
 from engine.core.sampling_params import SamplingParams
 from engine.errors import ModelLoadError
+from engine.model import cache_dir
 from engine.model.cpu import narrow_cache
 from engine.model.cpu.fast_path import prepare_cpu_fast_path
 from engine.model.cpu.kernels import quant_gemm
@@ -151,24 +152,32 @@ def test_narrow_weights_are_cached_per_checkpoint_and_mode(
     weights, without quantising again; another mode or a changed checkpoint misses."""
     monkeypatch.setenv("MODELYARD_CACHE_DIR", str(tmp_path / "cache"))
     config = EngineConfig(model=str(tiny_llama_dir), quantization="int4", num_threads=2)
-
-    def prepared():
-        loaded = load_model(config)
-        fast = prepare_cpu_fast_path(loaded, config)
-        packed = {n: b.clone() for n, b in loaded.model.named_buffers() if n.endswith("packed")}
-        return fast.narrow, packed
-
-    first, first_packed = prepared()
-    second, second_packed = prepared()
-    assert not first.cached and second.cached
-    assert (second.native, second.quantized) == (first.native, first.quantized)
-    assert first_packed.keys() == second_packed.keys() and first_packed
-    assert all(torch.equal(first_packed[n], second_packed[n]) for n in first_packed)
+    _loaded_twice_the_same(config)
     assert narrow_cache.cache_path(tiny_llama_dir, "int4") != narrow_cache.cache_path(
         tiny_llama_dir, "int8"
     )
     (tiny_llama_dir / "config.json").touch()  # a changed checkpoint: another key
-    assert not prepared()[0].cached
+    assert not _narrow_report(config)[0].cached
+
+
+def _narrow_report(config: EngineConfig):
+    """A load's narrow-weight report, and the packed weights it made, by buffer name."""
+    loaded = load_model(config)
+    fast = prepare_cpu_fast_path(loaded, config)
+    packed = {n: b.clone() for n, b in loaded.model.named_buffers() if n.endswith("packed")}
+    return fast.narrow, packed
+
+
+def _loaded_twice_the_same(config: EngineConfig):
+    """Loads ``config`` twice: the first misses the cache, the second reads it and packs the very
+    same weights from the same sources; the first's report."""
+    first, first_packed = _narrow_report(config)
+    second, second_packed = _narrow_report(config)
+    assert not first.cached and second.cached
+    assert (second.native, second.quantized) == (first.native, first.quantized)
+    assert first_packed.keys() == second_packed.keys() and first_packed
+    assert all(torch.equal(first_packed[n], second_packed[n]) for n in first_packed)
+    return first
 
 
 @needs_smollm2
@@ -177,20 +186,8 @@ def test_a_gguf_files_own_blocks_are_cached_as_records(tmp_path, monkeypatch: py
     270M 1-2 s of its start) from the cache, weight by weight as each is packed: the same kernel
     layout, the file's blocks counted as its own."""
     monkeypatch.setenv("MODELYARD_CACHE_DIR", str(tmp_path / "cache"))
-    config = EngineConfig(model=str(SMOLLM2_GGUF), num_threads=2)
-
-    def prepared():
-        loaded = load_model(config)
-        fast = prepare_cpu_fast_path(loaded, config)
-        packed = {n: b.clone() for n, b in loaded.model.named_buffers() if n.endswith("packed")}
-        return fast.narrow, packed
-
-    first, first_packed = prepared()
-    second, second_packed = prepared()
-    assert not first.cached and second.cached
-    assert (second.native, second.quantized) == (first.native, first.quantized) == (211, 0)
-    assert first_packed.keys() == second_packed.keys() and first_packed
-    assert all(torch.equal(first_packed[n], second_packed[n]) for n in first_packed)
+    first = _loaded_twice_the_same(EngineConfig(model=str(SMOLLM2_GGUF), num_threads=2))
+    assert (first.native, first.quantized) == (211, 0)
     cached = narrow_cache.load(next((tmp_path / "cache" / "narrow").glob("*.safetensors")))
     assert cached is not None and len(cached) > 200
 
@@ -203,7 +200,7 @@ def test_cache_files_nobody_read_for_two_weeks_go_at_the_next_write(tmp_path):
     old, kept, new = (folder / f"{name}.safetensors" for name in ("old", "kept", "new"))
     for path in (old, kept):
         narrow_cache.save(path, {"w": (weight, True)})
-    weeks_ago = time.time() - narrow_cache.STALE_AFTER_S - 60
+    weeks_ago = time.time() - cache_dir.STALE_AFTER_S - 60
     for path in (old, kept):
         os.utime(path, (weeks_ago, weeks_ago))
     assert narrow_cache.load(kept) is not None  # read: touched

@@ -5,8 +5,8 @@ quantising the rest.
 One safetensors file per (checkpoint folder as loaded, mode) under <cache>/narrow/, keyed by the
 folder's weight and config files (name, size, mtime) and `LAYOUT_VERSION`; written whole under a
 temporary name, then renamed, so readers see no file or a complete one. A file read is touched; a
-write removes the files nobody read for `STALE_AFTER_S` (a GGUF's records are ~1.3x the file:
-models replaced in models.yaml must not pile up).
+write removes the files nobody read for two weeks (`cache_dir.remove_stale`): a GGUF's records are
+~1.3x the file, and models taken out of models.yaml must not pile up.
 """
 
 from __future__ import annotations
@@ -16,19 +16,17 @@ import json
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.model.cache_dir import cache_root
+from engine.model.cache_dir import cache_root, remove_stale
 from engine.model.cpu.quant_formats import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-STALE_AFTER_S = 14 * 24 * 3600
 # Bump when quant_formats' records change meaning.
 LAYOUT_VERSION = 2
 _KEYED_SUFFIXES = (".safetensors", ".bin", ".json")
@@ -86,7 +84,7 @@ def save(path: Path, choices: dict[str, Choice]) -> None:
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale(path.parent)
+        remove_stale(path.parent, "*.safetensors")
         fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
         os.close(fd)
         try:
@@ -97,15 +95,3 @@ def save(path: Path, choices: dict[str, Choice]) -> None:
                 os.remove(temp)
     except OSError as exc:
         log.warning("narrow weights not cached in %s: %s", path.parent, exc)
-
-
-def _remove_stale(folder: Path) -> None:
-    """Delete the cache files not read for STALE_AFTER_S (a process that maps one keeps it: the
-    file is only unlinked)."""
-    cutoff = time.time() - STALE_AFTER_S
-    for old in folder.glob("*.safetensors"):
-        try:
-            if old.stat().st_mtime < cutoff:
-                old.unlink()
-        except OSError:  # removed by a concurrent process
-            continue

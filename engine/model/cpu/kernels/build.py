@@ -6,9 +6,10 @@ once per process (lazily, thread-safe) into <MODELYARD_CACHE_DIR>/cpu_kernels/, 
 variant and a hash of the sources, flags, compiler version and CPU (the flags name the build
 machine's CPU: -march=native, -mtune=native), written to a temp file and renamed so concurrent
 processes never load half a file. Each load marks its build as used (mtime); a new build removes
-the ones unused for `_STALE_AFTER_S` (earlier sources, or gone CPUs that shared the folder). It
-links `-fopenmp` against libgomp.so.1; torch is imported first, so the dynamic loader reuses
-torch's already-mapped libgomp and the kernel's OpenMP team comes from torch's thread pool.
+the ones unused for two weeks (`cache_dir.remove_stale`: earlier sources, or gone CPUs that
+shared the folder). It links `-fopenmp` against libgomp.so.1; torch is imported first, so the
+dynamic loader reuses torch's already-mapped libgomp and the kernel's OpenMP team comes from
+torch's thread pool.
 
 No compiler or a failed build logs one warning and `load()` returns None: callers use torch instead.
 """
@@ -24,12 +25,11 @@ import shlex
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
 
-from engine.model.cache_dir import cache_root
+from engine.model.cache_dir import cache_root, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,6 @@ _ARCH_FLAGS = {
     "generic": ("-march=x86-64", "-mtune=native"),
 }
 _BUILD_TIMEOUT_S = 120
-_STALE_AFTER_S = 14 * 24 * 3600
 # The element types of the typed entry points (name_f32, name_bf16).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _STDERR_TAIL = 2000
@@ -239,7 +238,7 @@ def _build(compiler: list[str], variant: str = "native") -> Path:
         os.utime(target)  # in use: not stale
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(folder)
+    remove_stale(folder, "cpu_kernels-*.so")
     fd, temp = tempfile.mkstemp(dir=folder, prefix=".cpu_kernels-", suffix=".so")
     os.close(fd)
     try:
@@ -255,18 +254,6 @@ def _build(compiler: list[str], variant: str = "native") -> Path:
         if os.path.exists(temp):
             os.remove(temp)
     return target
-
-
-def _remove_stale_builds(folder: Path) -> None:
-    """Delete builds not loaded for _STALE_AFTER_S (a process that still maps one keeps it: the
-    file is only unlinked)."""
-    cutoff = time.time() - _STALE_AFTER_S
-    for old in folder.glob("cpu_kernels-*.so"):
-        try:
-            if old.stat().st_mtime < cutoff:
-                old.unlink()
-        except OSError:  # removed by a concurrent process, or not ours to remove
-            pass
 
 
 def _cpu_info() -> list[str]:
