@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import logging
 import os
 import shlex
@@ -38,7 +37,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a plain script: make `scripts` and 
     sys.path.insert(0, str(REPO_ROOT))
 
 from common.sizes import parse_size  # noqa: E402
-from scripts.bench_residency import git_commit, machine  # noqa: E402
+from scripts.bench_residency import run_record  # noqa: E402
 from scripts.density_bench import llama, modelyard  # noqa: E402
 from scripts.density_bench.settings import Settings  # noqa: E402
 from scripts.density_bench.summary import summarize  # noqa: E402
@@ -139,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     out: dict[str, Any] = {
         "schema": "modelyard.bench-density/1",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "git": git_commit(),
-        "machine": machine(),
+        **run_record(),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "model": s.model.describe()
         | {"served_name": s.model.name, "kv_bytes_per_token": kv_bytes_per_token(s.model.path)},

@@ -90,6 +90,17 @@ def git_commit() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
 
 
+def run_record() -> dict[str, Any]:
+    """Where and how a benchmark ran, for the head of its JSON: when, its command line, the
+    commit (and whether the tree had changes) and the machine."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "git": git_commit(),
+        "machine": machine(),
+    }
+
+
 def engine_has_sleep() -> bool:
     """Whether the engine's HTTP API has /sleep and /wake_up (else a park is refused and the
     park/wake policy degrades to cold swaps)."""
@@ -262,10 +273,7 @@ def main() -> None:
     started = time.monotonic()
     report: dict[str, Any] = {
         "benchmark": "residency: all resident vs cold swapping vs park/wake, one stream",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "git": git_commit(),
-        "machine": machine(),
+        **run_record(),
         "engine_has_sleep": engine_has_sleep(),
         "settings": vars(args),
         "goals": GOALS,
