@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.cpu.fused_decode import FusedDecode, fused_decode
+from engine.model.cpu.fused_decode import fused_decode
 from engine.model.cpu.kernels.fused_ops import FusedOps, StepOps
 from engine.model.cpu.kernels.narrow_decode import NarrowDecoder
 from engine.model.cpu.lean_layers import (
@@ -115,19 +115,29 @@ class LeanLlamaForward:
         q_width = self.num_heads * self.head_dim
         qk_heads = self.num_heads + self.num_kv_heads
         gemms = StepGemms(tokens)
-        # decode steps on the C kernels (rotary is in their form): one call per layer for rope +
-        # write + attend (one step per rotary table), or on narrow weights one for every layer
-        fused = self._fused_decode(attention, tables, x.dtype) if ops.uses_kernels else None
-        if fused is not None and self.narrow is not None:
+        # decode steps on the C kernels (rotary is in their form): on narrow weights one call for
+        # every layer (which takes every rotary table), else one per layer for rope + write +
+        # attend (one step per rotary table); whether the kernel serves the step does not depend
+        # on the table
+        first = (
+            fused_decode(attention, tables[0], self.num_heads, x.dtype)
+            if ops.uses_kernels
+            else None
+        )
+        if first is not None and self.narrow is not None:
             # every row sampled (a decode step's rows are its samples): the logits in the call
             every_row = sample_rows is not None and len(sample_rows) == tokens
-            out = fused[0].all_layers(self.narrow, x, gemms.threads, every_row, tables)
+            out = first.all_layers(self.narrow, x, gemms.threads, every_row, tables)
             if out is not None:
                 if sample_rows is None:
                     return None
                 if out.logits is not None:
                     return self._capped(out.logits)
                 return self._capped(self.lm_head(out.hidden.index_select(0, sample_rows)))
+        fused = None
+        if first is not None:
+            rest = (fused_decode(attention, t, self.num_heads, x.dtype) for t in tables[1:])
+            fused = [first, *rest]
         delta = None  # the previous block's output, added to x by the next norm
         step_ops = StepOps(ops, x, self.mlp_width)
         for index, layer in enumerate(self.layers):
@@ -172,19 +182,6 @@ class LeanLlamaForward:
         rows = x.index_select(0, sample_rows)  # a copy: the norm's in-place add stays local
         h = ops.add_rms_norm(rows, delta.index_select(0, sample_rows), *self.final_norm)
         return self._capped(self.lm_head(h))
-
-    def _fused_decode(
-        self,
-        attention: StepContext,
-        tables: list[tuple[torch.Tensor, torch.Tensor]],
-        dtype: torch.dtype,
-    ) -> list[FusedDecode] | None:
-        """The step's fused decode attention per rotary table, or None where the kernel does not
-        serve the step (which does not depend on the table)."""
-        first = fused_decode(attention, tables[0], self.num_heads, dtype)
-        if first is None:
-            return None
-        return [first, *(fused_decode(attention, t, self.num_heads, dtype) for t in tables[1:])]
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits soft-capped where the model caps them (Gemma: ``c * tanh(logits / c)``)."""
