@@ -88,6 +88,16 @@ class TemplateState(enum.Enum):
     GONE = "gone"  # exited (or never started)
 
 
+_T = TemplateState
+# Where each state may go (EngineTemplate._set_state); GONE is final: a new template replaces it.
+TEMPLATE_TRANSITIONS: dict[TemplateState, frozenset[TemplateState]] = {
+    _T.STARTING: frozenset({_T.READY, _T.STOPPING, _T.GONE}),
+    _T.READY: frozenset({_T.STOPPING, _T.GONE}),
+    _T.STOPPING: frozenset({_T.GONE}),
+    _T.GONE: frozenset(),
+}
+
+
 class EngineTemplate:
     """One template process and its socket: start, fork, stop; the engines it forked, until
     each is reaped."""
@@ -191,8 +201,8 @@ class EngineTemplate:
         """Ends its side of the socket (it exits, and engines still running die with it; one
         still importing reads nothing, and is killed), waits for it."""
         importing = self.state is TemplateState.STARTING
-        if self.state is not TemplateState.GONE:  # else it is reaped below
-            self.state = TemplateState.STOPPING
+        if self.state in (TemplateState.STARTING, TemplateState.READY):  # else reaped below
+            self._set_state(TemplateState.STOPPING)
         if self._starting is not None:
             await self._starting
         if self._sock is not None and self.state is TemplateState.STOPPING:
@@ -251,7 +261,9 @@ class EngineTemplate:
     def _handle(self, message: dict[str, Any]) -> None:
         kind = message["kind"]
         if kind == READY:
-            self.state = TemplateState.READY
+            if self.state is not TemplateState.STARTING:  # ready as the gateway stops it
+                return
+            self._set_state(TemplateState.READY)
             self._ready.set()
             log.info("engine template (%s) ready: pid %s, imports %.1fs", self.policy,
                      message.get("pid"), message.get("imports_s", 0.0))  # fmt: skip
@@ -273,10 +285,20 @@ class EngineTemplate:
             if engine is not None:
                 engine.ended(os.waitstatus_to_exitcode(message["status"]))
 
+    def _set_state(self, new: TemplateState) -> None:
+        """The one way its state changes, along TEMPLATE_TRANSITIONS."""
+        if new not in TEMPLATE_TRANSITIONS[self.state]:
+            raise RuntimeError(
+                f"engine template: {self.state.value} -> {new.value} is not a transition"
+            )
+        self.state = new
+
     def _gone(self, why: str) -> None:
         """It exited or cannot be reached: what waited on it learns so, its engines end."""
         was = self.state
-        self.state = TemplateState.GONE
+        if was is TemplateState.GONE:
+            return
+        self._set_state(TemplateState.GONE)
         self.gone_at = time.monotonic()
         self._ready.set()
         if self._sock is not None:

@@ -32,7 +32,13 @@ from engine.template.cmdline import fit
 from gateway.engines import template as template_module
 from gateway.engines.process import exit_reason, has_exited, relay_output
 from gateway.engines.replica import ReplicaState
-from gateway.engines.template import EngineTemplates, ForkedEngine, TemplateState
+from gateway.engines.template import (
+    TEMPLATE_TRANSITIONS,
+    EngineTemplate,
+    EngineTemplates,
+    ForkedEngine,
+    TemplateState,
+)
 from gateway.residency.footprint import measured_bytes
 from tests.gateway import test_kill_recovery as kill_recovery
 from tests.gateway.conftest import REPO_ROOT
@@ -312,3 +318,21 @@ def _light_template() -> int:
 
 if __name__ == "__main__":
     sys.exit(_light_template())
+
+
+async def test_a_templates_state_changes_only_along_its_transition_table() -> None:
+    """Every state has its row; a template becomes ready only while starting, and a gone one
+    stays gone (a new template replaces it)."""
+    assert set(TEMPLATE_TRANSITIONS) == set(TemplateState)
+    template = EngineTemplate(spin_wait=False, cwd=None)
+    assert template.state is TemplateState.STARTING
+    template._set_state(TemplateState.READY)
+    with pytest.raises(RuntimeError, match="ready -> starting"):
+        template._set_state(TemplateState.STARTING)
+    template._set_state(TemplateState.STOPPING)
+    template._handle({"kind": "ready", "pid": 1})  # its imports done as it is stopped: ignored
+    assert template.state is TemplateState.STOPPING
+    template._gone("test")
+    assert template.state is TemplateState.GONE
+    with pytest.raises(RuntimeError):
+        template._set_state(TemplateState.READY)
