@@ -9,11 +9,9 @@ runtime, the weights as the engine will hold them, the KV budget and structured 
 formats hold (Q4_0/1, Q4_K, Q5_0/1, Q5_K, Q6_K, Q8_0) stay in those blocks, widened to fp32
 scales (1.1-1.8x their bytes); the others are dequantised to fp32 (up to 8x), and the tokenizer
 comes on top (Gemma 3's 262,144-token one: ~100 MB in the engine; structured outputs' vocabulary
-is in the engine's headroom until built). Measured at start, engine alone on CPU, 256 MiB KV
-(2026-12-07, docs/PERFORMANCE.md): Gemma 3 270M Q4_K_M (a 253 MB file, every linear narrow)
-1.49 GB resident, SmolLM2-135M Q4_1 (98 MB) 0.95 GB, i.e. 2.8x and 1.7x their files once the
-runtime and KV are taken off. The estimate takes 3x, so that no file is under-counted until its
-first start measures it.
+is in the engine's headroom until built). Measured, Gemma 3 270M Q4_K_M and SmolLM2-135M Q4_1
+hold 2-3x their files once the runtime and KV are taken off (docs/PERFORMANCE.md#model-loading);
+the estimate takes 3x, so that no file is under-counted until its first start measures it.
 """
 
 from __future__ import annotations
