@@ -137,13 +137,13 @@ class GrammarCompiler:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._vocab_size = vocab_size  # the logits' width, which the masks cover
         self._eos_token_ids = sorted(eos_token_ids)
-        # llguidance's view of the vocabulary and the JSON it is built from (for the workers too),
-        # built by the first compile, not with the model: 3.4 s and 230 MB for Gemma's 262,144
-        # tokens that an engine nobody asks for structured outputs never needs. Building it holds
-        # the GIL throughout, so that first compile stalls the engine's other requests once.
+        # The tokenizer's JSON (the workers build their own vocabulary from it) and llguidance's
+        # view of the vocabulary, built by the first compile, not with the model: for Gemma's
+        # 262,144 tokens 3.4 s and VOCABULARY_BYTES_PER_TOKEN's 280 MB that an engine nobody asks
+        # for structured outputs never needs. Building it holds the GIL throughout, so that first
+        # compile stalls the engine's other requests once.
         self._vocabulary_lock = threading.Lock()
-        self._tokenizer_json: str | None = None
-        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._built_vocabulary: tuple[str, llguidance.LLTokenizer] | None = None
         self._cache = GrammarCache(self.settings.cache_memory, self.settings.max_entries)
         self._jobs: queue.Queue[CacheEntry | None] = queue.Queue()
         self._workers: list[WorkerProcess] = []
@@ -222,7 +222,7 @@ class GrammarCompiler:
             + max(workers_at_most, sum(rss))
             + (
                 0
-                if self._ll_tokenizer is not None
+                if self._built_vocabulary is not None
                 else self._vocab_size * VOCABULARY_BYTES_PER_TOKEN
             ),
             compiles=dict(self._outcomes),
@@ -254,17 +254,18 @@ class GrammarCompiler:
         """The tokenizer's JSON and llguidance's tokenizer, built by the first caller (a compile
         thread) while any other waits."""
         with self._vocabulary_lock:
-            if self._tokenizer_json is None or self._ll_tokenizer is None:
+            if self._built_vocabulary is None:
                 assert self._backend is not None  # request() refuses constraints without one
                 started = time.monotonic()
-                self._tokenizer_json = self._backend.to_str()
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
+                text = self._backend.to_str()
+                ll_tokenizer = llguidance.LLTokenizer(
+                    text, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
                 )
+                self._built_vocabulary = text, ll_tokenizer
                 log.info(
                     "structured outputs' vocabulary built in %.2f s", time.monotonic() - started
                 )
-            return self._tokenizer_json, self._ll_tokenizer
+            return self._built_vocabulary
 
     def _worker_init(self) -> dict[str, Any]:
         """The first message of a starting worker (engine.structured.worker)."""

@@ -309,7 +309,7 @@ def test_the_vocabulary_is_built_by_the_first_compile_and_counted_as_headroom_un
     vocabulary = compiler._vocab_size * 8 * 2**20
     before = compiler.stats().headroom_bytes
     assert before >= vocabulary
-    assert compiler._ll_tokenizer is None
+    assert compiler._built_vocabulary is None
     compiler.compile(StructuredOutput("regex", "[xy]+"))
-    assert compiler._ll_tokenizer is not None
+    assert compiler._built_vocabulary is not None
     assert compiler.stats().headroom_bytes < before - vocabulary + 2**30
