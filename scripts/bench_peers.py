@@ -50,7 +50,6 @@ from scripts.peers.configs import (  # noqa: E402
     parse_configs,
 )
 from scripts.peers.model_file import ModelFile, open_models  # noqa: E402
-from scripts.peers.ready import TimedEngineServer  # noqa: E402
 from scripts.peers.report import (  # noqa: E402
     bandwidth_bounds,
     ratios,
@@ -60,6 +59,7 @@ from scripts.peers.report import (  # noqa: E402
     summary_table,
 )
 from scripts.peers.weights import read_tensors  # noqa: E402
+from scripts.serving.engine_server import EngineServer  # noqa: E402
 from scripts.serving.workload import parse_range  # noqa: E402
 
 MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -175,7 +175,7 @@ def start_server(config: Config, args: argparse.Namespace, ctx: dict) -> tuple[S
     else:
         flags = shlex.split(args.engine_flags) + ctx["engine_flags"][config.name]
         engine_args = ["--model", str(model.path), "--served-model-name", model.name, *flags]
-        engine = TimedEngineServer(engine_args, log)
+        engine = EngineServer(engine_args, log)
         server, target = engine, Target(engine.url, model.name, engine.proc.pid)
         ctx["commands"][config.name] = [str(a) for a in engine.proc.args]
     print(f"starting {config.name} on {model.name} (log: {log})", file=sys.stderr)

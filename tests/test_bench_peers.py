@@ -20,8 +20,8 @@ from scripts import bench_peers
 from scripts.peers import configs, gguf_header, llama_cpp, llama_server, model_file, weights
 from scripts.peers.bandwidth import read_bandwidth
 from scripts.peers.cells import Target
-from scripts.peers.ready import TimedEngineServer
 from scripts.peers.report import ratios, server_ratios, servers_summary, summarize
+from scripts.serving.engine_server import EngineServer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -331,7 +331,7 @@ def tiny_engine(tiny_llama_dir: Path, tmp_path_factory):
     flags = ["--max-num-seqs", "4", "--kv-cache-memory", "16MiB", "--num-threads", "1"]
     names = ["--served-model-name", SMOLLM2_NAME, GEMMA_NAME]
     log = tmp_path_factory.mktemp("tiny-engine") / "engine.log"
-    engine = TimedEngineServer(["--model", str(tiny_llama_dir), *names, *flags], log)
+    engine = EngineServer(["--model", str(tiny_llama_dir), *names, *flags], log)
     engine.wait_ready(timeout=180)
     yield engine
     assert engine.stop() == 0

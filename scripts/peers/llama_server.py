@@ -11,7 +11,7 @@ from pathlib import Path
 from common.net import free_port
 from common.processes import stop_process
 from engine.model.cpu.openmp_env import configure
-from scripts.peers.ready import wait_ready
+from scripts.serving.engine_server import wait_ready
 
 
 def f16_model(quantize: Path, source: Path, cache: Path) -> Path:

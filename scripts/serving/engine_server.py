@@ -1,10 +1,13 @@
-"""``python -m engine`` started by the benchmark on a free loopback port, and stopped."""
+"""``python -m engine`` started by the benchmark on a free loopback port, and stopped; and the
+readiness wait every benchmark's servers share."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -12,6 +15,28 @@ from common.net import free_port
 from common.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
+# Often enough that spawn-to-ready times of a one-second llama-server and a ten-second engine
+# compare (bench_peers reports both).
+READY_POLL_S = 0.1
+
+
+def wait_ready(proc: subprocess.Popen, url: str, what: str, timeout: float) -> None:
+    """Until ``url`` answers 200; RuntimeError naming the exit code (and signal) if ``proc``
+    exits first, TimeoutError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            code = proc.returncode
+            signal_name = f" ({signal.Signals(-code).name})" if code < 0 else ""
+            raise RuntimeError(f"{what} exited with code {code}{signal_name}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass  # not listening yet, or 503 while it loads
+        time.sleep(READY_POLL_S)
+    raise TimeoutError(f"{what} not ready after {timeout} s")
 
 
 class EngineServer:
@@ -34,18 +59,8 @@ class EngineServer:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with code {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"engine not ready after {timeout} s")
+        """/ready answers 200 once the model is loaded."""
+        wait_ready(self.proc, self.url + "/ready", "engine", timeout)
 
     def stop(self) -> int | None:
         stop_process(self.proc, 60)
