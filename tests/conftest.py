@@ -11,6 +11,7 @@ from scripts.tiny_models import build_tiny_llama, build_tiny_sliding, build_toke
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_GGUF = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_GGUF = REPO_ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 torch.set_num_threads(2)
 

@@ -22,12 +22,12 @@ from scripts.peers.bandwidth import read_bandwidth
 from scripts.peers.cells import Target
 from scripts.peers.report import ratios, server_ratios, servers_summary, summarize
 from scripts.serving.engine_server import EngineServer
+from tests.conftest import GEMMA_GGUF
 
 pytestmark = pytest.mark.timeout(180)
 
 # SmolLM2-135M: 134,515,008 parameters with tied embeddings (the model card's 135M).
 SMOLLM2_PARAMS = 134_515_008
-GEMMA_GGUF = Path(__file__).resolve().parent.parent / "models" / "gemma-3-270m-q4_k_m.gguf"
 SMOLLM2_NAME, GEMMA_NAME = "smollm2-135m-instruct.q4_1", "gemma-3-270m-q4_k_m"
 Q4_1_BLOCK, Q8_0_BLOCK = 20, 34  # bytes per 32 weights: fp16 d (and m for Q4_1) + the quants
 

@@ -20,9 +20,8 @@ from engine.model.cpu.fast_path import prepare_cpu_fast_path
 from engine.model.cpu.quant_formats import GGUF_BLOCKS, from_gguf_blocks
 from engine.model.cpu.quant_linear import QuantizedEmbedding
 from engine.model.loader import load_model
-from tests.conftest import REPO_ROOT, SMOLLM2_GGUF
+from tests.conftest import GEMMA_GGUF, SMOLLM2_GGUF
 
-GEMMA_GGUF = REPO_ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
 ROWS, K = 24, 512
 # Where the fp16 scales of the K-quants' super-blocks lie (bytes [start, end)): every other bit
 # pattern of theirs is valid (integer scales, mins and quants).

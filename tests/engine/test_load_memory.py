@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from common.processes import pss_bytes, rss_bytes
-from tests.engine.test_loader import GEMMA_GGUF
+from tests.conftest import GEMMA_GGUF
 from tests.server_utils import EngineProcess
 
 pytestmark = [

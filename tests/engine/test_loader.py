@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model import loader
 from engine.model.loader import converted_gguf_dir, load_model
+from tests.conftest import GEMMA_GGUF
 
 
 @pytest.fixture
@@ -211,9 +212,6 @@ def test_the_tokenizer_is_shared_by_threads_without_copies(tiny_llama_dir: Path)
         thread.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
     assert failures == []
-
-
-GEMMA_GGUF = Path(__file__).resolve().parents[2] / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 
 @pytest.mark.skipif(not GEMMA_GGUF.exists(), reason="Gemma 3 GGUF not fetched")

@@ -22,9 +22,8 @@ import torch
 from engine.config import EngineConfig
 from engine.model.cpu.fast_path import prepare_cpu_fast_path
 from engine.model.loader import load_model
-from tests.conftest import SMOLLM2_GGUF
+from tests.conftest import GEMMA_GGUF, SMOLLM2_GGUF
 
-GEMMA_GGUF = SMOLLM2_GGUF.parent / "gemma-3-270m-q4_k_m.gguf"
 TEXT = Path(__file__).resolve().parent.parent / "data" / "apache-2.0.txt"
 TOKENS = 2048
 WINDOW = 512  # tokens per forward; each window is scored on its own context
