@@ -8,6 +8,7 @@ import sys
 
 from common.engine_args import SPIN_WAIT_FLAG
 from common.template_wire import CMDLINE_ROOM_FLAG, SOCKET_FD_FLAG, TEMPLATE_MODULE
+from engine.gpu_presence import decline_triton_without_gpu
 from engine.model.cpu.openmp_env import configure
 
 
@@ -23,6 +24,7 @@ options = _options(sys.argv[1:])
 # Before torch loads: libgomp reads the wait policy once, and every engine forked from here
 # inherits what it read (one template per policy).
 configure([SPIN_WAIT_FLAG] if options.spin_wait else [], os.environ)
+decline_triton_without_gpu(os.environ)
 
 from engine.template.preload import preload  # noqa: E402
 from engine.template.server import TemplateServer  # noqa: E402
