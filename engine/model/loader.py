@@ -29,6 +29,7 @@ from transformers import (
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -186,6 +187,19 @@ def _check_causal_lm(hf_config: PretrainedConfig) -> None:
         )
 
 
+def converted_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    """The tokenizer _convert_gguf saved in ``folder``, built by the Rust library straight from
+    its tokenizer.json. AutoTokenizer would parse that JSON in Python too and rebuild the Rust
+    tokenizer from its vocabulary through the family's class (GemmaTokenizer, ...), whose code
+    only runs at such a construction: what it built is what the file holds. Gemma 3's 262,144
+    tokens: 1.3 s instead of 3.2 s, and 26 MB less."""
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        settings["chat_template"] = template.read_text()
+    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **settings)
+
+
 def shareable_tokenizer(tokenizer: Any) -> Any:
     """``tokenizer`` as the engine keeps it: shared by its threads (detokenising, templates and
     tokenising, the event loop) instead of a copy each (a copy of Gemma's 262,144-token tokenizer
@@ -274,7 +288,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     try:
         with startup.phase("tokenizer"):
             tokenizer = shareable_tokenizer(
-                AutoTokenizer.from_pretrained(source, local_files_only=True)
+                converted_tokenizer(source)
+                if gguf_path is not None
+                else AutoTokenizer.from_pretrained(source, local_files_only=True)
             )
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {str(source)!r}: {exc}") from exc

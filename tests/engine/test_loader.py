@@ -232,3 +232,45 @@ def test_the_kept_tokenizer_drops_transformers_construction_copies() -> None:
     assert kept.decode(ids) == fresh.decode(ids)
     assert kept.convert_ids_to_tokens(ids[:50]) == fresh.convert_ids_to_tokens(ids[:50])
     assert kept.get_vocab() == fresh.get_vocab() and len(kept) == len(fresh)
+
+
+@pytest.mark.parametrize("gguf", ["smollm2", "gemma3"])
+def test_a_converted_tokenizer_behaves_as_autotokenizer_builds_it(
+    gguf: str, smollm2_gguf: Path
+) -> None:
+    """The engine builds a GGUF's cached tokenizer straight from its tokenizer.json; every call
+    the engine makes answers as AutoTokenizer's model-class tokenizer (GemmaTokenizer, ...)."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf if gguf == "smollm2" else GEMMA_GGUF
+    if not path.exists():
+        pytest.skip(f"{path} not fetched")
+    folder = converted_gguf_dir(path)
+    built, reference = loader.converted_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    specials = "".join(reference.all_special_tokens)
+    text = (Path(__file__).resolve().parents[1] / "data" / "apache-2.0.txt").read_text()[:3000]
+    texts = [text, f"{specials} mixed {specials}x", "  tabs\t\tand\n\nnewlines  ", "日本語 🤖 ünï"]
+    for sample in texts:
+        for add_special in (True, False):
+            ids = reference(sample, add_special_tokens=add_special)["input_ids"]
+            assert built(sample, add_special_tokens=add_special)["input_ids"] == ids
+            for skip in (True, False):
+                assert built.decode(ids, skip_special_tokens=skip) == reference.decode(
+                    ids, skip_special_tokens=skip
+                )
+    assert built.all_special_ids == reference.all_special_ids
+    assert (built.bos_token_id, built.eos_token_id) == (
+        reference.bos_token_id,
+        reference.eos_token_id,
+    )
+    assert built.added_tokens_decoder == reference.added_tokens_decoder
+    assert built.get_vocab() == reference.get_vocab()
+    assert built.chat_template == reference.chat_template
+    if reference.chat_template:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        for generation_prompt in (True, False):
+            assert built.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            ) == reference.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )

