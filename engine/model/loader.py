@@ -41,6 +41,7 @@ from engine.model.cache_dir import cache_root
 from engine.model.cpu.gguf_weights import GgufWeights
 from engine.model.cpu.linear import native_bf16
 from engine.model.cpu.narrow_weights import check_quantization, narrow_mode
+from engine.model.gguf_reads import fast_gguf_reads
 from engine.model.model_source import split_source
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,10 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         )
     folder, name = gguf_path.parent, gguf_path.name
     try:
-        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        _check_causal_lm(hf_config)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        with fast_gguf_reads():
+            hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            _check_causal_lm(hf_config)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except ModelLoadError:
         raise
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
