@@ -110,18 +110,20 @@ async def _generate(request: web.Request, parse: Any) -> web.StreamResponse:
     engine.check_accepting()  # before any parsing work
     limits = engine.limits
     parsed: requests.GenerationRequest = parse(body, limits)  # the cheap checks, n's bound too
-    engine.check_accepting(parsed.params.n)  # before the costly part
     # The constraint compiles (in a worker process) while the prompt is templated and tokenised;
     # a bad one is a 400 before any streaming. The ticket holds its grammar until the reply
     # ends; a client that leaves releases it, which cancels a compile nobody else waits for.
     constraint, param = parsed.params.structured, structured_param(body)
-    ticket = engine.request_grammar(constraint, param) if constraint is not None else None
+    ticket = None
     try:
-        parsed.prompt_token_ids = await engine.on_prompt_thread(
-            lambda tokenizer: requests.encode_prompt(parsed, tokenizer, limits)
-        )
-        if ticket is not None:
-            await engine.wait_grammar(ticket, param)
+        with engine.preparing(parsed.params.n):  # its places in the queue bound, from here on
+            if constraint is not None:
+                ticket = engine.request_grammar(constraint, param)
+            parsed.prompt_token_ids = await engine.on_prompt_thread(
+                lambda tokenizer: requests.encode_prompt(parsed, tokenizer, limits)
+            )
+            if ticket is not None:
+                await engine.wait_grammar(ticket, param)
         request_id = new_request_id(parsed.kind)
         builder = ResponseBuilder(parsed, request_id, model, engine.tokenizer)
         # Leaving the context early (client disconnect cancels this handler) aborts the request.
@@ -233,7 +235,8 @@ async def _tokenizer_body(request: web.Request) -> tuple[AsyncEngine, dict[str, 
 
 async def tokenize(request: web.Request) -> web.Response:
     engine, body = await _tokenizer_body(request)
-    tokens = await engine.on_prompt_thread(requests.parse_tokenize_request(body, engine.limits))
+    with engine.preparing(1):
+        tokens = await engine.on_prompt_thread(requests.parse_tokenize_request(body, engine.limits))
     return web.json_response(
         {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
     )
@@ -242,7 +245,8 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     engine, body = await _tokenizer_body(request)
     tokens = get_token_ids(body, "tokens", len(engine.tokenizer))
-    text = await engine.on_prompt_thread(lambda tokenizer: tokenizer.decode(tokens))
+    with engine.preparing(1):
+        text = await engine.on_prompt_thread(lambda tokenizer: tokenizer.decode(tokens))
     return web.json_response({"prompt": text}, dumps=_dumps)
 
 

@@ -59,6 +59,7 @@ class AsyncEngine:
         self._died: asyncio.Event | None = None
         self._requests: dict[str, _Request] = {}
         self._pending_adds = 0  # sequences sent to the thread and not yet handed to the core
+        self._preparing = 0  # sequences of requests being templated, tokenised, compiled
         self._switch = SleepSwitch(
             self._thread.send, lambda: len(self._requests), self.check_loaded
         )
@@ -74,7 +75,7 @@ class AsyncEngine:
         self.metrics = EngineMetrics(
             model_name,
             lambda: self._thread.stats,
-            lambda: self._pending_adds,
+            lambda: self._preparing + self._pending_adds,
             footprint=lambda: self.footprint,
             grammars=self.grammar_stats,
         )
@@ -133,7 +134,7 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         stats = self._thread.stats
         waiting = stats.num_waiting if stats is not None else 0
-        return waiting + self._pending_adds
+        return waiting + self._preparing + self._pending_adds
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests and wait up to ``timeout`` s for those in flight to finish; then
@@ -191,6 +192,20 @@ class AsyncEngine:
                 f"(max queue {self._max_queue}); retry later",
                 code="overloaded",
             )
+
+    @contextmanager
+    def preparing(self, choices: int) -> Iterator[None]:
+        """Holds ``choices`` places of the queue bound while a request is prepared: templated
+        and tokenised on the prompt thread (one at a time), its grammar compiled. Such requests
+        wait as much as those in the core, and without places of their own a flood of long
+        prompts would line up at the prompt thread past any bound. check_accepting's 503 when
+        the places are not there; `generate` takes them over (no await in between)."""
+        self.check_accepting(choices)
+        self._preparing += choices
+        try:
+            yield
+        finally:
+            self._preparing -= choices
 
     def check_awake(self) -> None:
         """Raise a 503 while the engine sleeps (or is falling asleep or waking)."""

@@ -136,3 +136,31 @@ async def test_503_while_shutting_down_says_retry_after_and_a_dead_loop_does_not
         openai_error(payload, code="engine_dead")
     finally:
         await srv.stop()
+
+
+async def test_requests_waiting_for_the_prompt_thread_count_too(tokenizer):
+    """A request being templated and tokenised (one at a time, on the prompt thread) holds its
+    places in the bound: a flood of long prompts cannot line up there past --max-queue."""
+    srv = await InProcessServer(lambda: FakeCore(tokenizer), ["tiny"], max_queue=4).start()
+    engine = srv.engine
+    release = threading.Event()
+    try:
+        blocker = asyncio.ensure_future(engine.on_prompt_thread(lambda _: release.wait(10)))
+        waiting = asyncio.create_task(post(srv.url + COMPLETIONS, {**VALID, "n": 3}))
+        tokenize = asyncio.create_task(
+            post(srv.url + "/tokenize", {"model": "tiny", "prompt": "hello"})
+        )
+        deadline = time.monotonic() + 5
+        while engine.num_waiting < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert engine.num_waiting == 4  # 3 choices + 1 tokenize, none in the core yet
+        status, payload, _ = await post(srv.url + COMPLETIONS, VALID)
+        assert status == 503
+        assert "4 sequences" in openai_error(payload, code="overloaded")["message"]
+        release.set()
+        await blocker
+        assert (await waiting)[0] == 200 and (await tokenize)[0] == 200
+        assert engine.num_waiting == 0
+    finally:
+        release.set()
+        await srv.stop()
