@@ -107,9 +107,9 @@ class HealthMonitor:
     ) -> None:
         """One failed attempt. ``signature`` None: the backend failed to answer properly (connect
         error, reset, timeout, 502/503/504), which always counts. Else the upstream answered with
-        an error that the request itself may have caused: it counts once per signature in the
-        streak, so one client replaying a poison body cannot build one; repeats only call for an
-        active check."""
+        an error that the request itself may have caused: it counts once per signature (its
+        client) in the streak, so one client sending bad bodies cannot build one; repeats only
+        call for an active check."""
         threshold = self.ejection.consecutive_failures
         if signature is None or signature not in backend.failure_signatures:
             backend.consecutive_failures += 1

@@ -130,9 +130,10 @@ class Upstream:
 
     def failed(self, ex: Exchange, backend: Backend, answered: bool = False) -> None:
         """``answered``: the upstream answered with an error status of its own (500, 501, ...),
-        which the request may have caused: health counts it once per request signature, the
-        client and the request's digest (computed only here, on failure)."""
-        signature = hash((ex.client, ex.digest())) if answered else None
+        which the request may have caused: health counts it once per client (API key, else
+        address), whatever the body. Counted per body, one client varying its bad bodies would
+        build a streak alone and eject every replica but the last."""
+        signature = hash(ex.client) if answered else None
         self.health.record_failure(ex.route, backend, signature)
 
     def connection_failed(self, ex: Exchange, backend: Backend, failure: Retryable) -> Retryable:

@@ -18,7 +18,6 @@ from tests.gateway.test_resilience import wait_for
 
 CHAT = "/v1/chat/completions"
 KEYS = {"ATTACKER_KEY": "sk-attacker-secret", "VICTIM_KEY": "sk-victim-secret"}
-POISON = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "mock": {"fail": 500}}
 SLOW_CHECKS = {"interval_s": 60, "timeout_s": 0.5, "unhealthy_after": 1, "healthy_after": 1}
 
 
@@ -29,6 +28,11 @@ def bearer(secret: str) -> dict[str, str]:
 def question(i: int) -> dict[str, Any]:
     """A valid request body, different for every ``i``."""
     return {"model": "m1", "messages": [{"role": "user", "content": f"question {i}"}]}
+
+
+def poison(i: int) -> dict[str, Any]:
+    """A body the upstream answers 500, different for every ``i``."""
+    return {**question(i), "mock": {"fail": 500}}
 
 
 def ejections(gw, backend: Backend) -> float:
@@ -86,7 +90,7 @@ async def test_passive_evidence_never_ejects_the_last_available_backend():
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-async def test_one_clients_poison_body_ejects_nothing(start_gateway, spawn_upstream, replicas):
+async def test_one_clients_poison_bodies_eject_nothing(start_gateway, spawn_upstream, replicas):
     mocks = [spawn_upstream("m1") for _ in range(replicas)]
     doc = fleet([m.url for m in mocks])
     doc["gateway"]["auth"] = {
@@ -102,9 +106,10 @@ async def test_one_clients_poison_body_ejects_nothing(start_gateway, spawn_upstr
     out: list[bool] = []  # any moment a backend was out of rotation
     done = asyncio.Event()
 
-    async def attacker(n: int) -> None:
+    async def attacker(n: int) -> None:  # a new bad body every time
         for _ in range(n):
-            attacked.append(await status_of(gw, POISON, headers=bearer(KEYS["ATTACKER_KEY"])))
+            body = poison(len(attacked))
+            attacked.append(await status_of(gw, body, headers=bearer(KEYS["ATTACKER_KEY"])))
 
     async def victim(n: int) -> None:
         for i in range(n):
@@ -127,35 +132,48 @@ async def test_one_clients_poison_body_ejects_nothing(start_gateway, spawn_upstr
     assert sum(m.stats()["requests"] for m in mocks) == 70  # no retries of 500s
 
 
-async def test_the_same_failing_body_counts_once_per_client(start_gateway, spawn_upstream):
+CLIENT_SECRETS = {f"K{i}_KEY": f"sk-client-{i}-secret" for i in range(3)}
+
+
+def with_clients(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with three API keys, k0-k2 (secrets in CLIENT_SECRETS)."""
+    doc["gateway"]["auth"] = {"keys": [{"name": f"k{i}", "key_env": f"K{i}_KEY"} for i in range(3)]}
+    return doc
+
+
+async def test_failing_answers_count_once_per_client_whatever_the_body(
+    start_gateway, spawn_upstream
+):
     up = spawn_upstream("m1")
     up.control(fail=500)
-    doc = fleet([up.url], ejection={"consecutive_failures": 10, "base_s": 5})
-    doc["gateway"]["auth"] = {"keys": [{"name": f"k{i}", "key_env": f"K{i}_KEY"} for i in range(3)]}
-    secrets = {f"K{i}_KEY": f"sk-client-{i}-secret" for i in range(3)}
-    gw = await start_gateway(doc, env=secrets)
+    doc = with_clients(fleet([up.url], ejection={"consecutive_failures": 10, "base_s": 5}))
+    gw = await start_gateway(doc, env=CLIENT_SECRETS)
     backend = gw.gateway.router.resolve("m1").backends[0]
-    for secret in secrets.values():
+    for secret in CLIENT_SECRETS.values():
         assert await status_of(gw, question(0), headers=bearer(secret)) == 500
     assert (backend.consecutive_failures, backend.repeated_failures) == (3, 0)
-    assert await status_of(gw, question(0), headers=bearer(secrets["K0_KEY"])) == 500
-    assert (backend.consecutive_failures, backend.repeated_failures) == (3, 1)
+    for i in range(1, 4):  # the same client, other bodies
+        assert await status_of(gw, question(i), headers=bearer(CLIENT_SECRETS["K0_KEY"])) == 500
+    assert (backend.consecutive_failures, backend.repeated_failures) == (3, 3)
 
 
 @pytest.mark.parametrize("fail", [500, "die"])
 async def test_a_broken_backend_is_ejected_as_fast_as_before(start_gateway, spawn_upstream, fail):
-    """500 to every (varied) request, or connections reset: with a replica to spare, ejected
+    """500 to every client's requests, or connections reset: with a replica to spare, ejected
     after exactly ``consecutive_failures`` failed requests, as before the poison-body rule."""
     broken, good = spawn_upstream("m1"), spawn_upstream("m1")
     broken.control(fail=fail)
     ejection = {"consecutive_failures": 3, "base_s": 5, "max_s": 5, "max_percent": 50}
-    gw = await start_gateway(fleet([broken.url, good.url], ejection=ejection))
+    doc = with_clients(fleet([broken.url, good.url], ejection=ejection))
+    gw = await start_gateway(doc, env=CLIENT_SECRETS)
     backend = next(b for b in gw.gateway.router.resolve("m1").backends if b.url == broken.url)
+    secrets = list(CLIENT_SECRETS.values())
     statuses = []
     for i in range(60):
         if backend.ejected:
             break
-        statuses.append(await status_of(gw, question(i)))
+        client = secrets[statuses.count(500) % 3]  # each failure another client's
+        statuses.append(await status_of(gw, question(i), headers=bearer(client)))
     assert backend.ejected and ejections(gw, backend) == 1
     assert broken.stats()["requests"] == 3
     # 500s are the upstream's answer (not retried); a reset is retried on the good replica.
