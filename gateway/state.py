@@ -19,9 +19,9 @@ from gateway.config_watch import ConfigWatcher
 from gateway.engines.pool import EnginePool
 from gateway.engines.process import ENGINE_LAUNCHER
 from gateway.health import HealthMonitor
+from gateway.limits import RateLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
-from gateway.ratelimit import RateLimiter
 from gateway.residency import ResidencyManager
 from gateway.router import Router
 
