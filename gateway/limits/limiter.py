@@ -1,8 +1,10 @@
 """The rate limiter: which buckets govern a request (its key's and its model's requests/min and
-tokens/min), taken from a store, this process's own (``LocalStore``). A request is admitted only
-if every bucket can pay; then all are charged together, so a refusal costs nothing. Token buckets
-are charged the prompt estimate up front and corrected by the upstream's reported usage
-afterwards (which may leave a bucket in debt, delaying later requests)."""
+tokens/min), taken from one store: this process's own (``LocalStore``), or with
+``gateway.state`` the one every gateway shares (``SharedLimits``: Redis, behind its on_error
+policy). A request is admitted only if every bucket can pay; then all are charged together, so a
+refusal costs nothing. Token buckets are charged the prompt estimate up front and corrected by
+the upstream's reported usage afterwards (which may leave a bucket in debt, delaying later
+requests)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import math
 from gateway.config import FleetConfig
 from gateway.limits.buckets import Bucket, Store, rate_limit_headers
 from gateway.limits.local import LocalStore
+from gateway.limits.shared import SharedLimits
 
 
 class RateLimited(Exception):
@@ -45,7 +48,8 @@ NO_LIMITS = LimitGrant(LocalStore(), (), 0, {})
 
 
 class RateLimiter:
-    def __init__(self) -> None:
+    def __init__(self, shared: SharedLimits | None = None) -> None:
+        self.shared = shared
         self.local = LocalStore()
         self.keys: dict[str, tuple[Bucket, ...]] = {}
         self.models: dict[str, tuple[Bucket, ...]] = {}
@@ -65,7 +69,15 @@ class RateLimiter:
         self._tpm_keys = frozenset(k.name for k in config.gateway.auth.keys if k.tpm is not None)
         self._tpm_models = frozenset(m.name for m in config.models if m.limits.tpm is not None)
         buckets = [b for owner in (*self.keys.values(), *self.models.values()) for b in owner]
-        self.local.configure(buckets)
+        (self.shared or self.local).configure(buckets)
+
+    async def start(self) -> None:
+        if self.shared is not None:
+            await self.shared.start()
+
+    async def close(self) -> None:
+        if self.shared is not None:
+            await self.shared.close()
 
     def needs_estimate(self, key_name: str | None, model: str) -> bool:
         return key_name in self._tpm_keys or model in self._tpm_models
@@ -75,7 +87,13 @@ class RateLimiter:
         buckets = (self.keys.get(key_name, ()) if key_name else ()) + self.models.get(model, ())
         if not buckets:
             return NO_LIMITS
-        taken = self.local.take(buckets, estimate)
+        if self.shared is None:
+            taken = self.local.take(buckets, estimate)
+        else:
+            shared = await self.shared.take(buckets, estimate)
+            if shared is None:  # on_error allow, while Redis does not answer
+                return NO_LIMITS
+            taken = shared
         headers = rate_limit_headers(buckets, taken.levels, taken.store.share)
         if taken.refused >= 0:
             headers["Retry-After"] = str(max(1, math.ceil(taken.wait_s)))
