@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.config import SharedState
 from gateway.limits.buckets import Bucket
@@ -100,9 +101,10 @@ class RedisStore:
             password=settings.password,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            # No retries: a failed call is answered by the on_error policy at once, and the
-            # background probe finds Redis back.
-            retry=Retry(NoBackoff(), 0),
+            # One retry at once, on a fresh connection, for a connection error only: a pooled
+            # connection that a Redis restart closed fails at its next use. Nothing more: while
+            # Redis is down the on_error policy answers, and a background probe finds it back.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             client_name="modelyard-gateway",
         )
         self.prefix = settings.key_prefix
