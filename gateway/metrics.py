@@ -161,7 +161,8 @@ class GatewayMetrics:
         self.rate_limit_store_up.set(1)
         self.rate_limit_store_errors = Counter(
             "modelyard_rate_limit_store_errors",
-            "Calls to the shared rate-limit store (Redis) that failed, background probes included",
+            "Admissions, usage corrections and probes whose call to the shared rate-limit store "
+            "(Redis) failed",
             ["kind"],
             registry=r,
         )

@@ -1,6 +1,6 @@
-"""The Redis store behind its ``on_error`` policy. While Redis answers, every admission is one
-script call there; a call that fails (connection, timeout, an error reply) marks it down, with
-one log line, and from then on requests go straight to the policy without waiting on Redis:
+"""The Redis store behind its ``on_error`` policy. While Redis answers, every admission is
+decided there; a call that fails (connection, timeout, an error reply) marks it down, with one
+log line, and from then on requests go straight to the policy without waiting on Redis:
 ``allow`` admits unchecked, ``deny`` refuses 429 ``rate_limits_unavailable``, ``local`` takes
 from this gateway's own buckets at 1/gateways of every allowance. A background probe with
 exponential backoff finds Redis back (one more log line), and the shared buckets apply again."""

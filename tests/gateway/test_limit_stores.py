@@ -66,6 +66,20 @@ def metric(limiter: RateLimiter, name: str, *labels: str) -> float:
     return (metric.labels(*labels) if labels else metric)._value.get()
 
 
+async def hold_connections(limiter: RateLimiter, db: redis.Redis, count: int) -> None:
+    """Admissions in flight together, each its own call, until the limiter's connection pool
+    holds ``count`` connections."""
+    for _ in range(20):
+        calls = []
+        for _ in range(count):
+            calls.append(asyncio.ensure_future(limiter.admit(None, "m1", 0)))
+            await asyncio.sleep(0)  # its batch leaves: the next admission starts another
+        await asyncio.gather(*calls, return_exceptions=True)
+        if sum(c["name"] == "modelyard-gateway" for c in db.client_list()) >= count:
+            return
+    raise AssertionError(f"fewer than {count} connections to Redis")
+
+
 async def test_a_refusal_charges_no_bucket(limiters, db):
     limiter = await limiters(rpm=600, tpm=100)
     await limiter.admit(None, "m1", 90)
@@ -76,6 +90,22 @@ async def test_a_refusal_charges_no_bucket(limiters, db):
     assert refused.value.retry_after_s == pytest.approx(40 / (100 / 60), abs=0.1)
     assert tokens(db, "model:m1:requests") == pytest.approx(599, abs=0.1)  # not charged
     assert tokens(db, "model:m1:tokens") == pytest.approx(10, abs=0.1)
+
+
+async def test_admissions_of_one_loop_turn_share_a_call(limiters, db):
+    limiter = await limiters(rpm=80)
+    calls = db.info("commandstats")["cmdstat_evalsha"]["calls"]
+    answers = await asyncio.gather(
+        *(limiter.admit(None, "m1", 0) for _ in range(100)), return_exceptions=True
+    )
+    # 100 admissions: two calls (MAX_BATCH is 64), each admission all or none, in order.
+    assert db.info("commandstats")["cmdstat_evalsha"]["calls"] == calls + 2
+    granted = [a for a in answers if not isinstance(a, RateLimited)]
+    assert [a.headers["x-ratelimit-remaining-requests"] for a in granted] == [
+        str(79 - i) for i in range(80)
+    ]
+    assert all(isinstance(a, RateLimited) for a in answers[80:])
+    assert tokens(db, "model:m1:requests") == pytest.approx(0, abs=0.1)
 
 
 async def test_refills_run_on_redis_clock(limiters, db):
@@ -192,7 +222,7 @@ async def test_the_password_comes_from_password_env(tmp_path, monkeypatch):
 async def test_an_outage_goes_to_the_policy_and_back(limiters, redis_server, db, caplog, on_error):
     caplog.set_level(logging.WARNING, "modelyard.gateway")
     limiter = await limiters(on_error, gateways=2, rpm=10)
-    await asyncio.gather(*(limiter.admit(None, "m1", 0) for _ in range(4)))  # 4 connections
+    await hold_connections(limiter, db, 3)
     redis_server.kill()
     started = time.monotonic()
     outcomes = []
@@ -226,8 +256,12 @@ async def test_an_outage_goes_to_the_policy_and_back(limiters, redis_server, db,
     assert metric(limiter, "rate_limit_store_up") == 1
     # The shared bucket again (a fresh Redis: full), through connections that the restart
     # closed: each is opened again without a fallback.
-    grants = await asyncio.gather(*(limiter.admit(None, "m1", 0) for _ in range(4)))
-    assert {g.headers["x-ratelimit-remaining-requests"] for g in grants} == {"9", "8", "7", "6"}
+    grants = []
+    for _ in range(4):
+        grants.append(asyncio.ensure_future(limiter.admit(None, "m1", 0)))
+        await asyncio.sleep(0)  # each in a batch of its own, in flight together
+    remaining = {g.headers["x-ratelimit-remaining-requests"] for g in await asyncio.gather(*grants)}
+    assert remaining == {"9", "8", "7", "6"}
     assert db.exists(PREFIX + "model:m1:requests")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
