@@ -55,6 +55,12 @@ class SharedLimits:
             await self.redis.probe()
         except STORE_ERRORS as exc:
             self._failed(exc)
+        else:
+            log.info(
+                "rate limits: shared through Redis at %s (on_error %s)",
+                self.settings.address,
+                self.settings.on_error,
+            )
 
     async def close(self) -> None:
         for task in (self._probe, self._flush):
