@@ -43,7 +43,8 @@ class SharedLimits:
         self.up = True
         self._decided = metrics.rate_limit_fallbacks.labels(settings.on_error)
         self._probe: asyncio.Task[None] | None = None
-        self._flush: asyncio.Task[None] | None = None
+        self._flush: asyncio.Task[None] | None = None  # the one corrections join
+        self._flushes: set[asyncio.Task[None]] = set()  # held until done, sending or not
         self._next_probe = 0.0  # on the event loop's clock, while down
 
     def configure(self, buckets: Iterable[Bucket]) -> None:
@@ -63,7 +64,7 @@ class SharedLimits:
             )
 
     async def close(self) -> None:
-        for task in (self._probe, self._flush):
+        for task in (self._probe, *self._flushes):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -106,10 +107,12 @@ class SharedLimits:
         self.redis.add_correction(buckets, delta)
         if self._flush is None:
             self._flush = asyncio.create_task(self._flush_soon())
+            self._flushes.add(self._flush)
+            self._flush.add_done_callback(self._flushes.discard)
 
     async def _flush_soon(self) -> None:
         await asyncio.sleep(FLUSH_S)
-        self._flush = None
+        self._flush = None  # corrections from now on start the next one
         try:
             await self.redis.flush_corrections()
         except STORE_ERRORS as exc:
