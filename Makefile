@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench bench-peers bench-density lint format models prometheus venv clean
+.PHONY: serve test bench bench-peers bench-density lint format models prometheus redis venv clean
 
 venv: $(STAMP)
 
@@ -36,13 +36,20 @@ prometheus:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
+# Tests and the gateway benchmark start their own redis-server (Debian package) for shared limits.
+redis:
+	@command -v redis-server >/dev/null || { \
+		echo "installing redis-server (Debian package) ..."; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
+
 serve: $(STAMP) $(MODEL) $(GEMMA_MODEL)
 	$(VENV)/bin/modelyard serve -c models.yaml --host $(HOST) --port $(PORT)
 
-test: $(STAMP) $(MODEL) $(GEMMA_MODEL) prometheus
+test: $(STAMP) $(MODEL) $(GEMMA_MODEL) prometheus redis
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
-bench: $(STAMP) $(MODEL)
+bench: $(STAMP) $(MODEL) redis
 	@mkdir -p bench-results
 	$(PY) scripts/bench_engine.py --out bench-results/engine.json
 	$(PY) scripts/bench_serving.py --serve "--model $(MODEL) --served-model-name smollm2 \

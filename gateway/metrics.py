@@ -35,6 +35,8 @@ RETRY_REASONS = (
 )
 TIMEOUT_KINDS = ("connect", "first_byte", "idle", "total")
 RATE_LIMITS = ("key_requests", "key_tokens", "model_requests", "model_tokens", "concurrency")
+LIMIT_STORE_ERRORS = ("connection", "timeout", "response")  # gateway/limits/shared.py
+ON_ERROR_POLICIES = ("allow", "deny", "local")
 RELOAD_RESULTS = ("applied", "rejected")
 HOLD_REFUSALS = ("hold_queue_full", "model_loading_timeout", "model_failed", "model_unloaded")
 POISON_RESULTS = ("suspect", "cleared", "marked", "refused")  # gateway/proxy/quarantine.py
@@ -145,6 +147,35 @@ class GatewayMetrics:
         )
         for result in RELOAD_RESULTS:
             self.config_reloads.labels(result)
+        self._declare_limit_store_metrics(r)
+
+    def _declare_limit_store_metrics(self, r: CollectorRegistry) -> None:
+        """The rate limits' store (gateway/limits/): with gateway.state, the Redis every gateway
+        shares, and the on_error policy's decisions while it does not answer."""
+        self.rate_limit_store_up = Gauge(
+            "modelyard_rate_limit_store_up",
+            "1 while the rate limits' store answers (always, for limits kept in-process); 0 while "
+            "gateway.state's Redis does not and its on_error policy decides",
+            registry=r,
+        )
+        self.rate_limit_store_up.set(1)
+        self.rate_limit_store_errors = Counter(
+            "modelyard_rate_limit_store_errors",
+            "Admissions, usage corrections and probes whose call to the shared rate-limit store "
+            "(Redis) failed",
+            ["kind"],
+            registry=r,
+        )
+        self.rate_limit_fallbacks = Counter(
+            "modelyard_rate_limit_fallbacks",
+            "Requests that gateway.state.on_error decided because Redis did not answer",
+            ["policy"],
+            registry=r,
+        )
+        for kind in LIMIT_STORE_ERRORS:
+            self.rate_limit_store_errors.labels(kind)
+        for policy in ON_ERROR_POLICIES:
+            self.rate_limit_fallbacks.labels(policy)
 
     def declare_model(self, model: str) -> None:
         """Exports a model's rare-event counters as zeros before their first event, so that a

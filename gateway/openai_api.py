@@ -13,8 +13,8 @@ from common.json_body import parse_json_body
 from common.request_body import read_body
 from gateway.auth import may_use
 from gateway.capabilities import check_capabilities
+from gateway.limits import RateLimited
 from gateway.proxy import Exchange
-from gateway.ratelimit import RateLimited
 from gateway.request_keys import API_KEY, EXCHANGE, MODEL, REQUEST_ID
 from gateway.router import ModelRoute
 from gateway.state import GATEWAY_KEY
@@ -182,7 +182,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
         estimate_prompt_tokens(payload) if gw.limiter.needs_estimate(key_name, route.name) else 0
     )
     try:
-        admission = gw.limiter.admit(key_name, route.name, estimate)
+        grant = await gw.limiter.admit(key_name, route.name, estimate)
     except RateLimited as limited:
         gw.metrics.rate_limited.labels(route.name, limited.limit).inc()
         raise RequestRefused(
@@ -201,7 +201,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
         stream=stream,
         strip_usage=strip_usage,
         route=route,
-        admission=admission,
+        grant=grant,
         affinity_key=affinity_key(route, payload),
         client=key_name or request.remote or "",
         started=started,
@@ -221,7 +221,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
             metrics = gw.metrics
             metrics.child(metrics.prompt_tokens, route.name).inc(ex.prompt_tokens)
             metrics.child(metrics.completion_tokens, route.name).inc(ex.completion_tokens)
-            admission.settle(ex.prompt_tokens + ex.completion_tokens)
+            grant.settle(ex.prompt_tokens + ex.completion_tokens)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -19,9 +19,9 @@ from gateway.config_watch import ConfigWatcher
 from gateway.engines.pool import EnginePool
 from gateway.engines.process import ENGINE_LAUNCHER
 from gateway.health import HealthMonitor
+from gateway.limits import RateLimiter, SharedLimits
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
-from gateway.ratelimit import RateLimiter
 from gateway.residency import ResidencyManager
 from gateway.router import Router
 
@@ -45,7 +45,8 @@ class Gateway:
         self.started_at = int(time.time())
         self.metrics = GatewayMetrics()
         self.router = Router(on_backend_state=self.metrics.backend_changed)
-        self.limiter = RateLimiter()
+        state = config.gateway.state
+        self.limiter = RateLimiter(SharedLimits(state, self.metrics) if state else None)
         self.auth = Authenticator(config.gateway.auth)
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
@@ -88,6 +89,7 @@ class Gateway:
             self.residency.engine_crashed,
         )
         self.health.sync()
+        await self.limiter.start()
         self.residency.start()
         # In the background: requests for models still loading wait in their hold lines.
         self.pool.apply_soon(self.config)
@@ -109,6 +111,7 @@ class Gateway:
         await self.residency.stop()
         await self.pool.stop()
         await self.health.close()
+        await self.limiter.close()
         if self.session:
             await self.session.close()
 
@@ -150,6 +153,8 @@ class Gateway:
                 "header size limits and client connection limits change after a restart; the "
                 "body limit and body_timeout_s apply now"
             )
+        if old.state != new.state:
+            log.warning("gateway.state changes take effect after a restart")
         removed = self.router.apply(config)
         for model in config.models:
             self.metrics.declare_model(model.name)

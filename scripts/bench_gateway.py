@@ -7,7 +7,10 @@ Upstreams: a fast mock OpenAI server (scripts/mock_upstream.py, started here) an
 
 For each upstream: non-streaming requests at concurrency 1 (latency p50/p99) and 64 (requests/s),
 streaming time to first chunk at concurrency 1, and the gateway process's CPU seconds per 1,000
-proxied requests (from /proc/PID/stat). Every phase is bounded by a request count and a time limit.
+proxied requests (from /proc/PID/stat). Then the rate limits' cost: CPU per request at
+concurrency 64 through two more gateways whose model has rpm/tpm limits, kept in-process and in
+a redis-server on loopback (``gateway.state``), in alternating rounds. Every phase is bounded by a
+request count and a time limit.
 
     python scripts/bench_gateway.py --out bench-results/gateway.json
     python scripts/bench_gateway.py --engine-url http://127.0.0.1:8001 --engine-model smollm2
@@ -20,7 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,8 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script: make `scripts` importable
 
 from common.processes import cpu_seconds, stop_process  # noqa: E402
+from scripts.bench_residency import machine  # noqa: E402
 from scripts.measure import percentile  # noqa: E402
 from scripts.mock_upstream import MockUpstream  # noqa: E402
+from scripts.redis_server import RedisServer  # noqa: E402
 
 IDLE_SAMPLE_S = 2.0
 GOALS = {
@@ -48,7 +53,9 @@ GOALS = {
     "added_p50_ms_c1": 1.0,
     "gateway_rps_c64": 1500,
     "first_chunk_overhead_ms": 1.0,
+    "limits_redis_cpu_ratio": 1.3,  # CPU per request, limits in Redis vs in-process
 }
+UNLIMITED = {"rpm": 10**9, "tpm": 10**12}  # limits that never refuse: their cost alone
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 60.0) -> None:
@@ -246,21 +253,100 @@ async def measure(
     return out
 
 
-def write_config(path: Path, models: list[dict[str, Any]], access_log: bool) -> None:
+def write_config(
+    path: Path,
+    models: list[dict[str, Any]],
+    access_log: bool,
+    state: dict[str, Any] | None = None,
+) -> None:
     import yaml
 
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "gateway": {
-                    "access_log": access_log,
-                    "watch_config": False,
-                    "health": {"interval_s": 5, "timeout_s": 2},
-                },
-                "models": models,
-            }
-        )
-    )
+    gateway: dict[str, Any] = {
+        "access_log": access_log,
+        "watch_config": False,
+        "health": {"interval_s": 5, "timeout_s": 2},
+    }
+    if state:
+        gateway["state"] = state
+    path.write_text(yaml.safe_dump({"gateway": gateway, "models": models}))
+
+
+def start_gateway(config: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "-c", str(config), "--port", str(port),
+         "--log-level", "warning"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url + "/ready", gateway)
+    except RuntimeError:
+        stop_process(gateway, 10)
+        raise
+    return gateway, url
+
+
+async def measure_limits(mock_url: str, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The gateway's CPU per request (c64) with its model's rpm/tpm limits kept in-process and
+    in Redis on loopback, alternating rounds of each; and redis-server's own CPU beside it."""
+    if shutil.which("redis-server") is None:
+        return {"skipped": "redis-server not found (make bench installs it)"}
+    (tmp / "redis").mkdir()
+    redis = RedisServer(tmp / "redis")
+    gateways: dict[str, tuple[subprocess.Popen, str]] = {}
+    models = [{"name": "bench", "upstreams": [mock_url], "limits": UNLIMITED}]
+    body = json.dumps(
+        {"model": "bench", "max_tokens": args.max_tokens, "messages": [{"role": "user",
+         "content": "Say hi."}]}
+    ).encode()  # fmt: skip
+    path = "/v1/chat/completions"
+    try:
+        redis.start()
+        assert redis.proc is not None
+        states = {"in_process": None, "redis": {"redis_url": redis.url, "gateways": 1}}
+        for name, state in states.items():
+            config = tmp / f"limits-{name}.yaml"
+            write_config(config, models, not args.no_access_log, state)
+            gateways[name] = start_gateway(config)
+        for _proc, url in gateways.values():  # warm connections and caches
+            await load(url + path, body, 8, 200, 10)
+        spent = {name: [0.0, 0] for name in gateways}  # gateway CPU s, requests
+        redis_cpu = 0.0
+        rounds: list[dict[str, float]] = []
+        for i in range(args.limits_rounds):
+            figures: dict[str, float] = {}
+            # Each path goes first every other round: the machine's other load drifts.
+            for name, (proc, url) in sorted(gateways.items(), reverse=i % 2 == 1):
+                before = (cpu_seconds(proc.pid) or 0.0, cpu_seconds(redis.proc.pid) or 0.0)
+                result = await raw_load(
+                    url + path, body, 64, args.limits_requests, args.max_seconds
+                )
+                if not result["requests"]:
+                    raise RuntimeError(f"limits {name}: no request answered 200 ({result})")
+                cpu = (cpu_seconds(proc.pid) or 0.0) - before[0]
+                spent[name][0] += cpu
+                spent[name][1] += result["requests"]
+                figures[name] = round(cpu / result["requests"] * 1000, 4)
+                if name == "redis":
+                    redis_cpu += (cpu_seconds(redis.proc.pid) or 0.0) - before[1]
+            figures["ratio"] = round(figures["redis"] / figures["in_process"], 3)
+            rounds.append(figures)
+    finally:
+        for proc, _url in gateways.values():
+            stop_process(proc, 10)
+        redis.stop()
+    out: dict[str, Any] = {
+        name: {"requests": count, "gateway_cpu_ms_per_request": round(cpu / count * 1000, 4)}
+        for name, (cpu, count) in spent.items()
+    }
+    out["redis"]["redis_server_cpu_ms_per_request"] = round(redis_cpu / spent["redis"][1] * 1000, 4)
+    out["rounds_gateway_cpu_ms_per_request"] = rounds
+    # The median round's: a round that other load on the machine inflated does not decide it.
+    out["gateway_cpu_ratio_redis_vs_in_process"] = statistics.median(r["ratio"] for r in rounds)
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -268,12 +354,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     gateway: subprocess.Popen | None = None
     report: dict[str, Any] = {
         "benchmark": "gateway overhead (direct vs through the gateway)",
-        "machine": {
-            "load_average_at_start": os.getloadavg(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "machine": machine(),  # the CPU model too: figures only compare on the same one
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "goals": GOALS,
     }
@@ -292,26 +373,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 )
             config = Path(tmp) / "models.yaml"
             write_config(config, models, not args.no_access_log)
-            port = free_port()
-            gateway = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "gateway.cli",
-                    "serve",
-                    "-c",
-                    str(config),
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "warning",
-                ],
-                cwd=REPO,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            gateway_url = f"http://127.0.0.1:{port}"
-            wait_ready(gateway_url + "/ready", gateway)
+            gateway, gateway_url = start_gateway(config)
             report["mock"] = await measure(
                 mock_url, gateway_url, gateway.pid, "mock", "bench", args, 1.0
             )
@@ -326,6 +388,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     args,
                     args.engine_scale,
                 )
+            report["limits"] = await measure_limits(mock_url, Path(tmp), args)
         finally:
             if gateway is not None:
                 stop_process(gateway, 10)
@@ -334,6 +397,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     vs = report["mock"]["gateway_vs_direct"]
     gateway_rps = report["mock"]["gateway"]["c64"]["requests_per_s"]
     cpu_ms = vs["gateway_cpu_ms_per_request_c64"]
+    limits_ratio = report["limits"].get("gateway_cpu_ratio_redis_vs_in_process")
     report["summary"] = {
         "gateway_cpu_ms_per_request": cpu_ms,
         "gateway_capacity_req_per_s_per_core": round(1000 / cpu_ms) if cpu_ms else None,
@@ -341,12 +405,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "added_p50_ms_c1": vs["added_p50_ms_c1"],
         "added_p99_ms_c1": vs["added_p99_ms_c1"],
         "first_chunk_overhead_ms": vs["first_chunk_overhead_p50_ms"],
+        "limits_redis_cpu_ratio": limits_ratio,
         "goals_met": {
             "cpu_ms_per_request": cpu_ms is not None and cpu_ms <= GOALS["cpu_ms_per_request"],
             "added_p50_ms_c1": vs["added_p50_ms_c1"] <= GOALS["added_p50_ms_c1"],
             "gateway_rps_c64": gateway_rps >= GOALS["gateway_rps_c64"],
             "first_chunk_overhead_ms": vs["first_chunk_overhead_p50_ms"]
             <= GOALS["first_chunk_overhead_ms"],
+            "limits_redis_cpu_ratio": limits_ratio is not None
+            and limits_ratio <= GOALS["limits_redis_cpu_ratio"],
         },
         "note": "load generator, mock upstream and gateway share this machine's CPUs; "
         "requests/s is bounded by all three, CPU per request by the gateway alone",
@@ -360,6 +427,8 @@ def main() -> None:
     parser.add_argument("--requests-c64", type=int, default=10000)
     parser.add_argument("--requests-stream", type=int, default=500)
     parser.add_argument("--max-seconds", type=float, default=20.0, help="per phase and target")
+    parser.add_argument("--limits-requests", type=int, default=3000, help="per round and path")
+    parser.add_argument("--limits-rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--no-access-log", action="store_true")
     parser.add_argument("--engine-url", help="also measure against this running server")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -38,14 +37,16 @@ from typing import Any
 from aiohttp import web
 
 from common.net import free_port
-from common.processes import kill_process, stop_process
+from scripts.child_server import ChildServer
 
 DEFAULT_TOKENS = 5
 REPO = Path(__file__).resolve().parents[1]
 
 
-class MockUpstream:
+class MockUpstream(ChildServer):
     """A mock upstream in its own process, so a test can SIGKILL it and start it again."""
+
+    what = "mock upstream"
 
     def __init__(self, name: str = "mock-model", port: int | None = None) -> None:
         self.name = name
@@ -61,23 +62,12 @@ class MockUpstream:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mock upstream exited with {self.proc.returncode}")
-            with contextlib.suppress(OSError):
-                _http_json("GET", self.url + "/ready", timeout=0.5)
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("mock upstream did not become ready")
+        self.wait_answering(self._ready, timeout, 0.05)
+        return self
 
-    def kill(self) -> None:
-        if self.proc:
-            kill_process(self.proc)
-
-    def stop(self) -> None:
-        if self.proc:
-            stop_process(self.proc, 5)
+    def _ready(self) -> bool:
+        _http_json("GET", self.url + "/ready", timeout=0.5)  # raises until it answers 200
+        return True
 
     def control(self, **settings: Any) -> None:
         _http_json("POST", self.url + "/control", settings)

@@ -1,12 +1,15 @@
-"""Shared fixtures: tiny local models (built once per test session) and the real SmolLM2 file."""
+"""Shared fixtures: tiny local models (built once per test session), the real SmolLM2 file, and
+a redis-server of the test's own."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from scripts.redis_server import RedisServer
 from scripts.tiny_models import build_tiny_llama, build_tiny_sliding, build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -37,3 +40,16 @@ def smollm2_gguf() -> Path:
     if not SMOLLM2_GGUF.exists():
         pytest.fail(f"{SMOLLM2_GGUF} missing: run `make test` (it fetches the model) first")
     return SMOLLM2_GGUF
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server on a free loopback port, no persistence, killed by PID afterwards; a test
+    may ``kill()`` it and ``start()`` it again on the same port."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        server.start()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield server
+    server.kill()

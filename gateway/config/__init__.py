@@ -24,6 +24,7 @@ from gateway.config.schema import (
     ModelDefaults,
     ModelLimits,
     RetrySettings,
+    SharedState,
     Timeouts,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "ModelDefaults",
     "ModelLimits",
     "RetrySettings",
+    "SharedState",
     "Timeouts",
     "load_config",
     "parse_config",

@@ -20,6 +20,7 @@ from gateway.config.schema import (
     RetrySettings,
     Timeouts,
 )
+from gateway.config.shared_state import read_state
 
 
 def read_gateway(r: Reader) -> GatewaySettings:
@@ -40,6 +41,7 @@ def read_gateway(r: Reader) -> GatewaySettings:
         engine_template=r.boolean("engine_template", d.engine_template),
         auth=_read_auth(r.section("auth")),
         memory=read_memory(r.section("memory")),
+        state=read_state(r),
     )
     if settings.auth.open_mode and not is_loopback(host):
         r.error(

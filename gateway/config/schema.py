@@ -4,6 +4,7 @@ default is written: the section readers take theirs from these dataclasses."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from common.http_server import ClientLimits
 
@@ -11,6 +12,7 @@ MAX_GPU_FRACTION_SUM = 0.95  # the most every GPU replica's fraction may sum to 
 DEVICES = ("auto", "cpu", "cuda")
 AFFINITY_KINDS = ("none", "prefix", "user")
 RESIDENCY_KINDS = ("pinned", "on_demand")
+ON_ERROR_POLICIES = ("allow", "deny", "local")  # gateway.state.on_error
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,26 @@ class MemoryBudget:
 
 
 @dataclass(frozen=True)
+class SharedState:
+    """``gateway.state``: the rate-limit buckets kept in one Redis that several gateways share,
+    so that together they grant each allowance once (gateway/limits/)."""
+
+    redis_url: str  # redis:// or rediss://, no password (password_env) and no query string
+    password_env: str | None = None
+    password: str | None = field(default=None, repr=False)
+    key_prefix: str = "modelyard:"  # before every bucket key: fleets may share one Redis
+    on_error: str = "local"  # one of ON_ERROR_POLICIES: what decides while Redis does not answer
+    gateways: int = 1  # how many gateways share the limits: "local" grants 1/gateways each
+    timeout_ms: float = 100.0  # connecting to Redis, and each answer
+
+    @property
+    def address(self) -> str:
+        """The URL without its user info, for logs."""
+        parts = urlsplit(self.redis_url)
+        return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -95,6 +117,7 @@ class GatewaySettings:
     engine_template: bool = True
     auth: AuthSettings = AuthSettings()
     memory: MemoryBudget = MemoryBudget()
+    state: SharedState | None = None  # None: every limit is this process's own
 
 
 @dataclass(frozen=True)

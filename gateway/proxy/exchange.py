@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.backend import Backend
+from gateway.limits import LimitGrant
 from gateway.proxy.failures import UpstreamFailure
-from gateway.ratelimit import Admission
 from gateway.router import ModelRoute
 
 
@@ -22,7 +22,7 @@ class Exchange:
     stream: bool
     strip_usage: bool
     route: ModelRoute
-    admission: Admission
+    grant: LimitGrant
     affinity_key: bytes | None = None
     client: str = ""  # who asked (API key name, else remote address): part of failure signatures
     started: float = field(default_factory=time.monotonic)
@@ -63,7 +63,7 @@ class Exchange:
         """The request id and the gateway's rate-limit headers. The upstream's back-off hints
         replace the gateway's own headers of the same name, whatever their case: the upstream's
         limit is the one that refused."""
-        headers = {"x-request-id": self.request_id, **self.admission.headers}
+        headers = {"x-request-id": self.request_id, **self.grant.headers}
         if not hints:
             return headers
         replaced = {name.lower() for name in hints}

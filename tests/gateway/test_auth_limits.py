@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.ratelimit import RateLimited, RateLimiter, TokenBucket
+from gateway.limits import RateLimited, RateLimiter, TokenBucket
 from tests.gateway.conftest import fleet
 
 KEYS = {
@@ -96,26 +96,27 @@ def test_token_bucket_math():
     assert bucket.tokens == 60 and bucket.wait_s(1000) == 0
 
 
-def test_limiter_refusal_charges_nothing():
+async def test_limiter_refusal_charges_nothing():
     from gateway.config import parse_config
 
     doc = fleet(["http://127.0.0.1:1"])
     doc["models"][0]["limits"] = {"rpm": 600, "tpm": 100}
     limiter = RateLimiter()
     limiter.configure(parse_config(doc))
-    admission = limiter.admit(None, "m1", 90)
-    bucket = limiter.models["m1"]
-    before = (bucket.requests.tokens, bucket.tokens.tokens)
+    grant = await limiter.admit(None, "m1", 90)
+    requests = limiter.local.buckets["model:m1:requests"]
+    tokens = limiter.local.buckets["model:m1:tokens"]
+    before = (requests.tokens, tokens.tokens)
     try:
-        limiter.admit(None, "m1", 50)
+        await limiter.admit(None, "m1", 50)
         raise AssertionError("expected RateLimited")
     except RateLimited as exc:
         assert exc.limit == "model_tokens"
         assert exc.headers["x-ratelimit-limit-tokens"] == "100"
-    assert abs(bucket.requests.tokens - before[0]) < 0.1
+    assert abs(requests.tokens - before[0]) < 0.1
     # Usage correction: the answer used 30 tokens in all, not 90.
-    admission.settle(30)
-    assert abs(bucket.tokens.tokens - (before[1] + 60)) < 0.5
+    grant.settle(30)
+    assert abs(tokens.tokens - (before[1] + 60)) < 0.5
 
 
 async def test_rpm_limit_accuracy_and_headers(start_gateway, fresh_upstreams):

@@ -8,9 +8,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.limits import NO_LIMITS
 from gateway.proxy import Exchange
 from gateway.proxy.sse import SseRelay
-from gateway.ratelimit import NO_LIMITS
 from tests.gateway.conftest import model_route
 
 
@@ -40,7 +40,7 @@ def _relay(strip: bool, rename=None):
         stream=True,
         strip_usage=strip,
         route=model_route(),
-        admission=NO_LIMITS,
+        grant=NO_LIMITS,
     )
     return ex, SseRelay(ex, strip, rename)
 
