@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""The Grafana dashboards drawn from a short live run, for `make bench`: `modelyard serve` with
-the model pinned and the same file on demand (loaded by its first request, parked when idle and
-woken again, so that the residency panels have something to show), a Prometheus of its own
-scraping the gateway and the engines it discovers through the gateway (scripts/live_prometheus.py),
-rounds of chat requests at rising concurrency, then scripts/render_dashboards.py over the run.
+"""The Grafana dashboards drawn as PNGs from a short live run of their own, for `make bench`.
+
+`modelyard serve` with the model pinned and the same file on demand (loaded by its first request,
+parked when idle and woken again, so that the residency panels have something to show), a
+Prometheus of its own scraping the gateway and the engines it discovers through the gateway
+(scripts/live_prometheus.py), rounds of chat requests at rising concurrency, then
+scripts/render_dashboards.py over the run.
 
     python scripts/bench_dashboards.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --out bench-results/dashboards

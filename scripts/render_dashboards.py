@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Draw the Grafana dashboards as PNGs from a Prometheus, without Grafana: every panel's queries
-run as range queries (/api/v1/query_range) over a time window, and each dashboard becomes one
-image laid out as Grafana's gridPos lays it out, with Grafana's units, legends and "No data".
+"""Draw the Grafana dashboards as PNGs from a Prometheus, without Grafana.
+
+Every panel's queries run as range queries (/api/v1/query_range) over a time window, and each
+dashboard becomes one image laid out as Grafana's gridPos lays it out, with Grafana's units,
+legends and "No data".
 
 Template variables get what Grafana gives them with every variable at "All": ``$model`` its
 allValue, ``$__interval`` the step (Grafana's rounding of window / max points, at least the scrape
@@ -655,7 +657,7 @@ def window_from(args: argparse.Namespace) -> Window:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prometheus", default="http://127.0.0.1:9090", help="base URL")
-    parser.add_argument("--since", default="1h", help="window ending at --end (the default)")
+    parser.add_argument("--since", default="1h", help="the window up to --end (default 1h)")
     parser.add_argument("--start", help="unix seconds or ISO 8601; instead of --since")
     parser.add_argument("--end", help="unix seconds or ISO 8601 (default: now)")
     parser.add_argument("--step", help="instead of Grafana's choice, e.g. 5s")
