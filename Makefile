@@ -61,6 +61,10 @@ bench: $(STAMP) $(MODEL) redis
 		--output-len 128 --num-requests 32 --max-seconds 60 --offline --baseline-hf \
 		--out bench-results/serving-bf16.json
 	$(PY) scripts/bench_gateway.py --out bench-results/gateway.json
+	# The Grafana dashboards as PNGs (bench-results/dashboards/): a short live run of its own, the
+	# gateway with the model pinned and on demand, scraped by a Prometheus the script starts.
+	# Without prometheus (`make prometheus`) it says so and draws nothing.
+	$(PY) scripts/bench_dashboards.py --model $(MODEL) --out bench-results/dashboards
 
 # Modelyard beside llama.cpp's llama-server (built once into .cache/peers/, ~15 min on 2 cores):
 # same model, same seeded load, alternating rounds. MODELYARD_CPU_ISA=avx2 builds both AVX2-only.

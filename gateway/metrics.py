@@ -254,6 +254,8 @@ class GatewayMetrics:
     def declare_residency(self, model: str) -> None:
         """A local model's residency series, at zero before their first event."""
         self.hold_depth.labels(model)
+        for kind in LOAD_STATES.values():  # a pinned model loads once: rate() must see it
+            self.model_load.labels(model, kind)
         for reason in HOLD_REFUSALS:
             self.hold_refused.labels(model, reason)
         for action, reason in EVICTIONS:

@@ -76,6 +76,11 @@ async def test_on_demand_starts_at_first_request_parks_after_ttl_and_wakes(poole
     async with aiohttp.ClientSession() as session:
         await asyncio.sleep(0.3)
         assert states(gateway, "od") == []  # nothing started before a request
+        # Its load time is exported at zero already (None: no such series), so that a
+        # dashboard's rate() sees the first load.
+        cold = {"model": "od", "kind": "cold"}
+        registry = gateway.metrics.registry
+        assert registry.get_sample_value("modelyard_model_load_seconds_count", cold) == 0
         models = await (await session.get(url + "/v1/models")).json()
         assert [(m["id"], m["state"]) for m in models["data"]] == [("od", "stopped")]
         status, _, took = await request(session, url, "od")
