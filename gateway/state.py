@@ -24,6 +24,7 @@ from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
 from gateway.residency import ResidencyManager
 from gateway.router import Router
+from gateway.token_rates import TokenRates
 
 log = logging.getLogger("modelyard.gateway")
 
@@ -46,6 +47,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.router = Router(on_backend_state=self.metrics.backend_changed)
         self.limiter = RateLimiter()
+        self.token_rates = TokenRates()  # completion tokens per model, last minute (admin API)
         self.auth = Authenticator(config.gateway.auth)
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
