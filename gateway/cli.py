@@ -1,4 +1,5 @@
-"""``modelyard serve -c models.yaml`` and ``modelyard check models.yaml``."""
+"""``modelyard serve -c models.yaml``, ``modelyard check models.yaml`` and ``modelyard ps``
+(gateway/ps/)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from aiohttp import web
 from gateway.app import create_app
 from gateway.config import ConfigError, load_config, with_listen
 from gateway.engines.process import ENGINE_LAUNCHER
+from gateway.ps import command as ps_command
 from gateway.server import GatewayRunner
 from gateway.state import Gateway
 
@@ -112,9 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     checker = sub.add_parser("check", help="validate a models.yaml and list every problem")
     checker.add_argument("config", help="path to models.yaml")
+    ps_command.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "check":
         return check(args.config)
+    if args.command == "ps":
+        return ps_command.run(args)
     _setup_logging(args.log_level)
     try:
         launcher = (
