@@ -122,7 +122,7 @@ class Gateway:
     async def reload(self) -> FleetConfig:
         """Reloads models.yaml; raises ConfigError (and changes nothing) if it is invalid."""
         if not self.config_path:
-            raise ConfigError(["no config file to reload (the gateway was started from a dict)"])
+            raise ConfigError(["no config file to reload (the models came from the command line)"])
         async with self._reload_lock:
             self._watcher.mark_read()
             try:

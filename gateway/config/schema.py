@@ -11,6 +11,9 @@ MAX_GPU_FRACTION_SUM = 0.95  # the most every GPU replica's fraction may sum to 
 DEVICES = ("auto", "cpu", "cuda")
 AFFINITY_KINDS = ("none", "prefix", "user")
 RESIDENCY_KINDS = ("pinned", "on_demand")
+# The variable holding the admin key in the shipped models.yaml (gateway.auth.admin_key_env), in
+# a fleet from the command line, and where `modelyard ps` looks for it
+ADMIN_KEY_ENV = "MODELYARD_ADMIN_KEY"
 
 
 @dataclass(frozen=True)

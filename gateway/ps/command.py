@@ -10,8 +10,8 @@ import json
 import sys
 import time
 
+from gateway.config import ADMIN_KEY_ENV
 from gateway.ps.fetch import (
-    ADMIN_KEY_ENV,
     DEFAULT_URL,
     URL_ENV,
     PsError,

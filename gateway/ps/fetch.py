@@ -14,8 +14,6 @@ from urllib.parse import urlsplit
 
 URL_ENV = "MODELYARD_URL"
 DEFAULT_URL = "http://127.0.0.1:8000"  # gateway.listen's default
-# The variable the shipped models.yaml's gateway.auth.admin_key_env names (--admin-key-env: another)
-ADMIN_KEY_ENV = "MODELYARD_ADMIN_KEY"
 MAX_MESSAGE_CHARS = 200  # of a refusal's own message, quoted in ps's one line
 
 
