@@ -4,6 +4,7 @@ variable, as the gateway itself takes it; never printed), and every way the call
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -51,6 +52,8 @@ def fetch_models(url: str, key_env: str, timeout_s: float) -> Any:
         raise Unreachable(f"cannot reach the gateway at {url}: {_why(failed.reason)}") from None
     except OSError as failed:  # a timeout while reading the answer
         raise Unreachable(f"cannot reach the gateway at {url}: {_why(failed)}") from None
+    except http.client.HTTPException as garbled:  # something that does not speak HTTP
+        raise PsError(f"unexpected answer from {where}: not HTTP ({garbled!r})") from None
     try:
         return json.loads(body)
     except ValueError:

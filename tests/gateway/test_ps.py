@@ -340,6 +340,25 @@ def test_gateway_that_does_not_answer_is_one_line(capsys):
     )
 
 
+def test_a_server_that_does_not_speak_http_is_one_line(capsys):
+    with socket.socket() as ssh:
+        ssh.bind(("127.0.0.1", 0))
+        ssh.listen()
+
+        def greet() -> None:
+            client, _ = ssh.accept()
+            with client:
+                client.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+        threading.Thread(target=greet, daemon=True).start()
+        url = f"http://127.0.0.1:{ssh.getsockname()[1]}"
+        error = one_line_error(capsys, "--url", url, "--timeout", "5")
+    assert error == (
+        f"modelyard ps: unexpected answer from {url}/admin/models: not HTTP "
+        "(BadStatusLine('SSH-2.0-OpenSSH_9.6\\r\\n'))"
+    )
+
+
 def test_wrong_or_missing_key_is_one_line(fleet: Fleet, capsys, monkeypatch):
     monkeypatch.setenv("MODELYARD_ADMIN_KEY", "sk-wrong")
     error = one_line_error(capsys, "--url", fleet.url)
