@@ -39,6 +39,8 @@ class ModelFlag:
     repeats: bool = False  # each use adds to a list
 
 
+SOURCE = ModelFlag("--model", "source", "a model to serve (again for more), followed by its own "
+                   "flags", metavar="PATH")  # fmt: skip
 MODEL_FLAGS = (
     ModelFlag("--served-model-name", "name", "the name clients ask for (default: the file's "
               "stem, or the folder's name)", metavar="NAME"),
@@ -66,27 +68,28 @@ _FLAG_OF = {f.key: f.flag for f in MODEL_FLAGS}
 _MODEL_KEY = re.compile(r"models\[(\d+)\](?:\.(\w+))?")
 
 
-class _Model(argparse.Action):
-    """``--model PATH``: a new model, which the per-model flags after it configure."""
-
-    def __call__(self, parser, namespace, value, option_string=None):  # type: ignore[no-untyped-def]
-        _entries(namespace).append({"source": value})
-
-
-class _PerModel(argparse.Action):
-    """A per-model flag: sets its key on the model before it (before any ``--model``, on the
-    positional PATH's, checked once parsed)."""
+class _ModelArgument(argparse.Action):
+    """``--model PATH`` starts a model; a per-model flag sets its key on the model before it
+    (before any ``--model``: on the positional PATH's, checked once parsed)."""
 
     def __init__(self, option_strings: list[str], dest: str, spec: ModelFlag, **kwargs: Any):
         super().__init__(option_strings, dest, **kwargs)
         self.spec = spec
 
-    def __call__(self, parser, namespace, value, option_string=None):  # type: ignore[no-untyped-def]
-        entries = _entries(namespace)
-        if not entries:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        value: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if namespace.models is None:
+            namespace.models = []
+        entries: list[dict[str, Any]] = namespace.models
+        key = self.spec.key
+        if key == "source" or not entries:
             entries.append({})
         entry = entries[-1]
-        key = self.spec.key
         if self.spec.repeats:
             entry.setdefault(key, []).append(value)
         elif key in entry:
@@ -95,13 +98,6 @@ class _PerModel(argparse.Action):
                          "once, to the --model before it")  # fmt: skip
         else:
             entry[key] = value
-
-
-def _entries(namespace: argparse.Namespace) -> list[dict[str, Any]]:
-    if namespace.models is None:
-        namespace.models = []
-    entries: list[dict[str, Any]] = namespace.models
-    return entries
 
 
 def add_model_flags(serve: argparse.ArgumentParser) -> None:
@@ -115,13 +111,9 @@ def add_model_flags(serve: argparse.ArgumentParser) -> None:
         "models from the command line (instead of -c)",
         "Each per-model flag applies to the --model before it; with PATH, to PATH.",
     )
-    group.add_argument(
-        "--model", action=_Model, dest="models", metavar="PATH", help="a model to serve (again "
-        "for more), followed by its own flags"
-    )  # fmt: skip
-    for spec in MODEL_FLAGS:
-        group.add_argument(spec.flag, action=_PerModel, dest="models", spec=spec, type=spec.type,
-                           metavar=spec.metavar, help=spec.help)  # fmt: skip
+    for spec in (SOURCE, *MODEL_FLAGS):
+        group.add_argument(spec.flag, action=_ModelArgument, dest="models", spec=spec,
+                           type=spec.type, metavar=spec.metavar, help=spec.help)  # fmt: skip
     group.add_argument(
         "--print-config",
         action="store_true",
