@@ -25,3 +25,16 @@ def parse_size(value: str | int) -> int:
     if not match or match.group(2).upper() not in _SIZE_UNITS:
         raise ValueError(f"invalid size {value!r}: expected e.g. 512MiB, 2GiB or a byte count")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def format_size(size: int) -> str:
+    """``size`` bytes as people read them: ``0 B``, ``512 B``, ``12 KiB``, ``310 MiB``,
+    ``1.2 GiB``: binary units, one decimal below 10 of a unit, none from 10 on."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    if unit == "B" or round(abs(value), 1) >= 10:
+        return f"{value:.0f} {unit}"
+    return f"{value:.1f} {unit}"

@@ -1,5 +1,7 @@
 """Admin endpoints for residency (admin key required): ``GET /admin/models`` shows each model's
-state, footprint, held requests and replicas, and the memory budget; ``POST
+state, footprint and what it holds now, requests in flight and held, completion tokens per second
+over the last minute, its idle time and what is left of its idle TTL, and its replicas (uptime,
+restarts, measured memory), and the memory budget (``modelyard ps`` shows it); ``POST
 /admin/models/{name}/load``, ``/park`` and ``/unload`` act on one local model and answer when
 done."""
 
@@ -21,8 +23,10 @@ async def models(request: web.Request) -> web.Response:
     for route in gw.router.routes.values():
         entry: dict[str, object] = {
             "name": route.name,
+            "aliases": list(route.config.aliases),
             "local": route.config.local,
             "in_flight": route.inflight,
+            "completion_tokens_per_s": round(gw.token_rates.per_second(route.name), 3),
         }
         if route.name in residency.models:
             entry.update(residency.describe(route.name))

@@ -1,4 +1,5 @@
-"""``modelyard serve -c models.yaml`` and ``modelyard check models.yaml``."""
+"""``modelyard serve -c models.yaml`` (or models from the command line: gateway/cli_models.py),
+``modelyard check models.yaml`` and ``modelyard ps`` (gateway/ps/)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import sys
 from aiohttp import web
 
 from gateway.app import create_app
-from gateway.config import ConfigError, load_config, with_listen
+from gateway.cli_models import add_model_flags, command_line_fleet, config_text
+from gateway.config import ConfigError, FleetConfig, load_config, with_listen
 from gateway.engines.process import ENGINE_LAUNCHER
+from gateway.ps import command as ps_command
 from gateway.server import GatewayRunner
 from gateway.state import Gateway
 
@@ -53,10 +56,8 @@ def check(path: str) -> int:
     return 0
 
 
-async def _serve(
-    path: str, host: str | None, port: int | None, engine_launcher: tuple[str, ...]
-) -> None:
-    config = with_listen(load_config(path), host, port)
+async def _serve(config: FleetConfig, path: str | None, engine_launcher: tuple[str, ...]) -> None:
+    """Serves ``config``, read from ``path`` (reloaded from it), or from the command line."""
     gateway = Gateway(config, path, engine_launcher=engine_launcher)
     app = create_app(gateway)
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
@@ -97,30 +98,56 @@ def _run(coro) -> None:
     uvloop.run(coro)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """``modelyard``'s parser, and its ``serve`` command's."""
     parser = argparse.ArgumentParser(prog="modelyard", description="Modelyard gateway")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gateway")
-    serve.add_argument("-c", "--config", default="models.yaml", help="path to models.yaml")
-    serve.add_argument("--host", help="override gateway.listen's host")
-    serve.add_argument("--port", type=int, help="override gateway.listen's port")
+    serve.add_argument("-c", "--config", help="path to models.yaml (default: models.yaml)")
+    serve.add_argument(
+        "--host", help="listen on this host, over gateway.listen's (default 127.0.0.1; without API "
+        "keys only a loopback address)"
+    )  # fmt: skip
+    serve.add_argument(
+        "--port", type=int, help="listen on this port, over gateway.listen's (default 8000)"
+    )
     serve.add_argument(
         "--engine-command",
         help="command that starts an engine, before its flags (default: this Python's -m engine), "
         "e.g. 'numactl --cpunodebind=0 python -m engine'",
     )
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_model_flags(serve)
     checker = sub.add_parser("check", help="validate a models.yaml and list every problem")
     checker.add_argument("config", help="path to models.yaml")
+    ps_command.add_parser(sub)
+    return parser, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, serve = build_parser()
     args = parser.parse_args(argv)
     if args.command == "check":
         return check(args.config)
-    _setup_logging(args.log_level)
+    if args.command == "ps":
+        return ps_command.run(args)
     try:
+        fleet = command_line_fleet(args, serve)
+        if fleet is None:
+            if args.print_config:
+                serve.error("--print-config prints the models.yaml that PATH or --model give")
+            path = args.config or "models.yaml"
+            config = with_listen(load_config(path), args.host, args.port)
+        else:
+            (config, document), path = fleet, None
+            if args.print_config:
+                print(config_text(document), end="")
+                return 0
+        _setup_logging(args.log_level)
         launcher = (
             tuple(shlex.split(args.engine_command)) if args.engine_command else ENGINE_LAUNCHER
         )
-        _run(_serve(args.config, args.host, args.port, launcher))
+        _run(_serve(config, path, launcher))
     except ConfigError as exc:
         for problem in exc.problems:
             print(problem, file=sys.stderr)

@@ -221,6 +221,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
             metrics = gw.metrics
             metrics.child(metrics.prompt_tokens, route.name).inc(ex.prompt_tokens)
             metrics.child(metrics.completion_tokens, route.name).inc(ex.completion_tokens)
+            gw.token_rates.add(route.name, ex.completion_tokens)
             grant.settle(ex.prompt_tokens + ex.completion_tokens)
 
 

@@ -24,6 +24,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.residency import ResidencyManager
 from gateway.router import Router
+from gateway.token_rates import TokenRates
 
 log = logging.getLogger("modelyard.gateway")
 
@@ -47,6 +48,7 @@ class Gateway:
         self.router = Router(on_backend_state=self.metrics.backend_changed)
         state = config.gateway.state
         self.limiter = RateLimiter(SharedLimits(state, self.metrics) if state else None)
+        self.token_rates = TokenRates()  # completion tokens per model, last minute (admin API)
         self.auth = Authenticator(config.gateway.auth)
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
@@ -123,7 +125,7 @@ class Gateway:
     async def reload(self) -> FleetConfig:
         """Reloads models.yaml; raises ConfigError (and changes nothing) if it is invalid."""
         if not self.config_path:
-            raise ConfigError(["no config file to reload (the gateway was started from a dict)"])
+            raise ConfigError(["no config file to reload (the models came from the command line)"])
         async with self._reload_lock:
             self._watcher.mark_read()
             try:

@@ -9,6 +9,7 @@ from gateway.config.gateway_settings import with_listen
 from gateway.config.loading import load_config, parse_config
 from gateway.config.reader import ConfigError
 from gateway.config.schema import (
+    ADMIN_KEY_ENV,
     MAX_GPU_FRACTION_SUM,
     Affinity,
     ApiKey,
@@ -29,6 +30,7 @@ from gateway.config.schema import (
 )
 
 __all__ = [
+    "ADMIN_KEY_ENV",
     "MAX_GPU_FRACTION_SUM",
     "Affinity",
     "ApiKey",

@@ -13,6 +13,9 @@ DEVICES = ("auto", "cpu", "cuda")
 AFFINITY_KINDS = ("none", "prefix", "user")
 RESIDENCY_KINDS = ("pinned", "on_demand")
 ON_ERROR_POLICIES = ("allow", "deny", "local")  # gateway.state.on_error
+# The variable holding the admin key in the shipped models.yaml (gateway.auth.admin_key_env), in
+# a fleet from the command line, and where `modelyard ps` looks for it
+ADMIN_KEY_ENV = "MODELYARD_ADMIN_KEY"
 
 
 @dataclass(frozen=True)

@@ -345,6 +345,7 @@ class EnginePool:
             log.info("starting engine for %s on port %d", replica.model, replica.port)
             try:
                 replica.proc = await self._start_engine(replica)
+                replica.started_at = time.monotonic()
             except OSError as exc:
                 replica.log_tail.append(f"cannot start the engine: {exc}")
                 replica.set_state(S.STARTING)

@@ -94,6 +94,10 @@ class Replica:
     supervisor: asyncio.Task[None] | None = None
     backend: object | None = None  # its router Backend (gateway.backend), for draining
     since: float = field(default_factory=time.monotonic)  # when the current state began
+    started_at: float = 0.0  # when its current process was started (time.monotonic)
+    # What the residency manager measured it holding in its current state (ready: with what it
+    # may grow by; parked: its floor); None until measured, and again at every transition.
+    measured_bytes: int | None = None
     left_after_s: float = 0.0  # how long the state it last left had lasted
     log_tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES)
@@ -117,6 +121,7 @@ class Replica:
                 f"replica {self.model}#{self.index}: {old.value} -> {new.value}"
             )
         self._state = new
+        self.measured_bytes = None
         now = time.monotonic()
         self.left_after_s, self.since = now - self.since, now
         log.info(
@@ -138,13 +143,17 @@ class Replica:
 
     def describe(self) -> dict[str, object]:
         """What ``/admin/models`` shows of it."""
+        now = time.monotonic()
+        proc = self.proc if self.proc is not None and self.proc.returncode is None else None
         info: dict[str, object] = {
             "index": self.index,
             "state": self._state.value,
-            "for_s": round(time.monotonic() - self.since, 3),
+            "for_s": round(now - self.since, 3),
             "url": self.url if self.port else None,
-            "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
+            "pid": proc.pid if proc else None,
+            "uptime_s": round(now - self.started_at, 3) if proc else None,
             "restarts": self.restarts,
+            "measured_bytes": self.measured_bytes,
         }
         if self._state in (S.FAILED, S.BACKOFF):
             info["last_log_lines"] = list(self.log_tail)

@@ -403,6 +403,8 @@ class ResidencyManager:
         res = self.models.get(replica.model)
         if taken is None or res is None:
             return
+        if replica.state is (S.READY if awake else S.PARKED):  # not a state it has left since
+            replica.measured_bytes = taken
         fp = res.footprint
         device = status.get("device") if status else None
         if isinstance(device, str) and not device.startswith("cuda"):
@@ -435,22 +437,44 @@ class ResidencyManager:
 
     def describe(self, name: str) -> dict[str, object]:
         res = self.models[name]
+        idle_s = time.monotonic() - res.last_used
+        resident = self._resident(name)
         return {
             "state": self.model_state(name),
             "residency": res.config.residency,
             "idle_ttl_s": res.config.idle_ttl_s if res.config.on_demand else None,
+            "ttl_left_s": self._ttl_left_s(name, idle_s),
             "priority": res.config.priority,
-            "idle_s": round(time.monotonic() - res.last_used, 3),
+            "idle_s": round(idle_s, 3),
             "held_requests": len(res.hold),
+            "resident_bytes": resident.held_bytes if resident else 0,
             "footprint": res.footprint.describe(),
-            "replicas": [r.describe() for r in self.pool.replicas.get(name, [])],
+            "replicas": [_replica_info(r) for r in self.pool.replicas.get(name, [])],
         }
+
+    def _ttl_left_s(self, name: str, idle_s: float) -> float | None:
+        """Seconds before the idle TTL sweeper parks (or stops) ``name``; None while it would not:
+        pinned, not awake, or busy (requests in flight or held, a load under way)."""
+        res = self.models[name]
+        states = self.pool.states(name)
+        if not res.config.on_demand or S.READY not in states or not self._evictable(name, states):
+            return None
+        return round(max(0.0, res.config.idle_ttl_s - idle_s), 3)
 
     def budget(self) -> dict[str, object]:
         residents = self._residents()
         return {
             "cpu_bytes": self.budget_bytes,
             "cpu_resident_bytes": sum(r.held_bytes for r in residents),
+            "templates_bytes": sum(r.held_bytes for r in residents if r.name == TEMPLATES),
             "gpu_fraction": self.budget_gpu,
             "gpu_resident_fraction": round(sum(r.held_gpu for r in residents), 4),
         }
+
+
+def _replica_info(replica: Replica) -> dict[str, object]:
+    """The replica as it describes itself, and its requests in flight (its backend's, which it
+    keeps while draining or parking)."""
+    backend = replica.backend
+    in_flight = backend.outstanding if isinstance(backend, Backend) else 0
+    return {**replica.describe(), "in_flight": in_flight}

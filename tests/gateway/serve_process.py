@@ -37,13 +37,14 @@ def http_get(url: str, timeout: float = 2.0, token: str | None = None) -> tuple[
 
 class ServeProcess:
     """A gateway process started from a models.yaml document (written to ``config``, which tests
-    may edit); ``stop`` ends it and, as a safety net for a failed test, any engine it left behind
-    (only processes this gateway started). Its stderr goes to a file (``stderr()``), and its stdout,
-    the access log, to ``access_log`` when given."""
+    may edit), or with ``models_args`` (models from the command line) in its place; ``stop`` ends
+    it and, as a safety net for a failed test, any engine it left behind (only processes this
+    gateway started). Its stderr goes to a file (``stderr()``), and its stdout, the access log, to
+    ``access_log`` when given."""
 
     def __init__(
         self,
-        document: dict[str, Any],
+        document: dict[str, Any] | None,
         tmp_path: Path,
         port: int,
         engine_command: str | None = None,
@@ -51,12 +52,15 @@ class ServeProcess:
         admin_key: str | None = None,
         log_level: str = "warning",
         access_log: Path | None = None,
+        models_args: list[str] | None = None,
     ) -> None:
         self.admin_key = admin_key
         self.config = tmp_path / "models.yaml"
-        self.config.write_text(yaml.safe_dump(document))
+        if document is not None:
+            self.config.write_text(yaml.safe_dump(document))
+            models_args = ["-c", str(self.config)]
         self.url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(self.config)]
+        command = [sys.executable, "-m", "gateway.cli", "serve", *(models_args or [])]
         command += ["--port", str(port), "--log-level", log_level]
         if engine_command:
             command += ["--engine-command", engine_command]

@@ -1,4 +1,5 @@
-"""`modelyard serve` as a real process, used through the official openai SDK; SIGHUP reload."""
+"""`modelyard serve` as a real process, used through the official openai SDK; SIGHUP reload;
+`modelyard serve PATH` with a tiny model and no models.yaml."""
 
 from __future__ import annotations
 
@@ -167,3 +168,28 @@ def test_serve_refuses_bad_config(tmp_path):
     )
     assert result.returncode == 1
     assert f"{bad}: models: must be a non-empty list" in result.stderr
+
+
+def test_serve_path_answers_under_the_models_own_name(tiny_llama_dir: Path, tmp_path: Path):
+    """The shortest way to an endpoint: one model, no models.yaml, served under its name (a
+    file's stem; here a folder's) and answering the SDK through a real engine."""
+    model = tmp_path / "tiny-chat"
+    model.symlink_to(tiny_llama_dir, target_is_directory=True)
+    engine = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", "64MiB"]
+    gateway = ServeProcess(
+        None,
+        tmp_path,
+        free_port(),
+        models_args=[str(model), *engine, "--engine-args=--num-threads 1"],
+    )
+    try:
+        gateway.wait_serving(timeout=120)
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny-chat"]
+        reply = client.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+        )
+        assert reply.model == "tiny-chat" and reply.usage.completion_tokens >= 1
+        assert isinstance(reply.choices[0].message.content, str)
+    finally:
+        gateway.stop()
