@@ -2,14 +2,17 @@
 
 ``schema.py`` holds the dataclasses (and every default), ``reader.py`` the generic reader that
 collects problems, one module per section reads it (``gateway_settings.py``, ``defaults.py``,
-``models.py``) and ``loading.py`` puts the file together. Import from here.
+``models.py``; ``residency.py`` and ``admission.py`` the settings of those two concerns across
+sections) and ``loading.py`` puts the file together. Import from here.
 """
 
 from gateway.config.gateway_settings import with_listen
 from gateway.config.loading import load_config, parse_config
 from gateway.config.reader import ConfigError
 from gateway.config.schema import (
+    ADMISSION_POLICIES,
     MAX_GPU_FRACTION_SUM,
+    AdmissionSettings,
     Affinity,
     ApiKey,
     AuthSettings,
@@ -18,17 +21,20 @@ from gateway.config.schema import (
     FleetConfig,
     GatewaySettings,
     HealthSettings,
-    HoldQueue,
     MemoryBudget,
+    ModelAdmission,
     ModelConfig,
     ModelDefaults,
     ModelLimits,
+    QueueSettings,
     RetrySettings,
     Timeouts,
 )
 
 __all__ = [
+    "ADMISSION_POLICIES",
     "MAX_GPU_FRACTION_SUM",
+    "AdmissionSettings",
     "Affinity",
     "ApiKey",
     "AuthSettings",
@@ -38,11 +44,12 @@ __all__ = [
     "FleetConfig",
     "GatewaySettings",
     "HealthSettings",
-    "HoldQueue",
     "MemoryBudget",
+    "ModelAdmission",
     "ModelConfig",
     "ModelDefaults",
     "ModelLimits",
+    "QueueSettings",
     "RetrySettings",
     "Timeouts",
     "load_config",

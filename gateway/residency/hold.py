@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 
 from common.errors import error_body
-from gateway.config import HoldQueue
+from gateway.config import QueueSettings
 from gateway.proxy.failures import UpstreamFailure
 
 RETRY_AFTER_S = 5
@@ -35,7 +35,7 @@ class HoldLine:
     """One model's held requests."""
 
     def __init__(
-        self, model: str, settings: HoldQueue, observe_wait: Callable[[float], None]
+        self, model: str, settings: QueueSettings, observe_wait: Callable[[float], None]
     ) -> None:
         self.model = model
         self.settings = settings
