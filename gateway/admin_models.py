@@ -1,5 +1,5 @@
 """Admin endpoints for residency (admin key required): ``GET /admin/models`` shows each model's
-state, footprint, held requests and replicas, and the memory budget; ``POST
+state, footprint, queued requests and replicas, and the memory budget; ``POST
 /admin/models/{name}/load``, ``/park`` and ``/unload`` act on one local model and answer when
 done."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 from aiohttp import web
 
 from common.errors import RequestRefused, excerpt
-from gateway.proxy.failures import UpstreamFailure
 from gateway.residency import ResidencyManager
 from gateway.residency.plan import Eviction
 from gateway.state import GATEWAY_KEY
@@ -23,6 +22,7 @@ async def models(request: web.Request) -> web.Response:
             "name": route.name,
             "local": route.config.local,
             "in_flight": route.inflight,
+            "queued_requests": gw.admission.waiting(route.name),
         }
         if route.name in residency.models:
             entry.update(residency.describe(route.name))
@@ -45,10 +45,7 @@ def _local_model(request: web.Request) -> tuple[ResidencyManager, str]:
 
 async def load(request: web.Request) -> web.Response:
     residency, name = _local_model(request)
-    try:
-        await residency.load(name)
-    except UpstreamFailure as refused:  # model_failed, or model_unloaded by an unload meanwhile
-        return refused.response({})
+    await residency.load(name)  # refused: model_failed, or model_unloaded by an unload meanwhile
     return web.json_response({"model": name, **residency.describe(name)})
 
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gateway.admission import Seat
 from gateway.backend import Backend
 from gateway.proxy.failures import UpstreamFailure
 from gateway.ratelimit import Admission
@@ -23,6 +24,7 @@ class Exchange:
     strip_usage: bool
     route: ModelRoute
     admission: Admission
+    seat: Seat  # its place in its model's line (gateway/admission)
     affinity_key: bytes | None = None
     client: str = ""  # who asked (API key name, else remote address): part of failure signatures
     started: float = field(default_factory=time.monotonic)

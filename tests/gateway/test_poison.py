@@ -19,7 +19,7 @@ from gateway.proxy import quarantine as quarantine_module
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.quarantine import Quarantine, Signatures
 from gateway.ratelimit import Admission
-from tests.gateway.conftest import model_route
+from tests.gateway.conftest import model_route, seat
 from tests.gateway.test_residency import fleet, sample, states
 from tests.gateway.test_resilience import sse_events, wait_for
 
@@ -116,8 +116,9 @@ async def test_a_crash_mid_stream_ends_the_stream_then_blames_the_request(single
 
 
 def exchange(body: bytes) -> Exchange:
+    route = model_route()
     return Exchange(
-        "rid", "/v1/completions", body, False, False, model_route(), Admission((), 0, {})
+        "rid", "/v1/completions", body, False, False, route, Admission((), 0, {}), seat(route)
     )
 
 
