@@ -9,6 +9,13 @@ For each upstream: non-streaming requests at concurrency 1 (latency p50/p99) and
 streaming time to first chunk at concurrency 1, and the gateway process's CPU seconds per 1,000
 proxied requests (from /proc/PID/stat). Every phase is bounded by a request count and a time limit.
 
+Admission (the mock only): the same concurrency-64 load on two models of the one mock, in the same
+gateway process: ``bench``, whose slots (256 per backend, an external upstream's default) are never
+all taken, so every request passes its model's line at once (the path requests took before
+admission had a line), and ``bench-admitted``, with ADMITTED_SLOTS slots, so that most requests
+wait in the line and are dispatched by the fair scheduler; the gateway's CPU per request of each,
+and their ratio (goal: at most 1.3).
+
     python scripts/bench_gateway.py --out bench-results/gateway.json
     python scripts/bench_gateway.py --engine-url http://127.0.0.1:8001 --engine-model smollm2
 """
@@ -20,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,15 +45,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script: make `scripts` importable
 
 from common.processes import cpu_seconds, stop_process  # noqa: E402
+from scripts.bench_residency import machine  # noqa: E402
 from scripts.measure import percentile  # noqa: E402
 from scripts.mock_upstream import MockUpstream  # noqa: E402
 
 IDLE_SAMPLE_S = 2.0
+ADMITTED_SLOTS = 8  # bench-admitted's: at concurrency 64, 56 requests wait in its line
 GOALS = {
     "cpu_ms_per_request": 0.5,
     "added_p50_ms_c1": 1.0,
     "gateway_rps_c64": 1500,
     "first_chunk_overhead_ms": 1.0,
+    "admission_cpu_ratio": 1.3,
 }
 
 
@@ -186,10 +195,7 @@ async def measure(
         return max(10, int(count * scale))
 
     def gateway_cpu_s() -> float:
-        seconds = cpu_seconds(gateway_pid)
-        if seconds is None:
-            raise RuntimeError(f"the gateway (PID {gateway_pid}) is gone")
-        return seconds
+        return _cpu_s(gateway_pid)
 
     out: dict[str, Any] = {"direct": {}, "gateway": {}}
     targets = (("direct", direct_base, direct_model), ("gateway", gateway_base, gateway_model))
@@ -246,6 +252,46 @@ async def measure(
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    seconds = cpu_seconds(pid)
+    if seconds is None:
+        raise RuntimeError(f"the gateway (PID {pid}) is gone")
+    return seconds
+
+
+async def measure_admission(
+    gateway_base: str, gateway_pid: int, args: argparse.Namespace, idle_rate: float
+) -> dict[str, Any]:
+    """Concurrency 64 on ``bench`` (every request passes its line at once) and on
+    ``bench-admitted`` (most wait in it): the gateway's CPU per request of each, in turns."""
+    body = json.dumps(
+        {"model": "bench", "max_tokens": args.max_tokens,
+         "messages": [{"role": "user", "content": "Say hi."}]}
+    ).encode()  # fmt: skip
+    bodies = {"passthrough": body, "queued": body.replace(b'"bench"', b'"bench-admitted"')}
+    url = gateway_base + "/v1/chat/completions"
+    out: dict[str, Any] = {"slots_queued": ADMITTED_SLOTS}
+    for request in bodies.values():
+        await raw_load(url, request, 8, 200, 10)  # warm
+    for name, request in bodies.items():
+        cpu_before = _cpu_s(gateway_pid)
+        result = await raw_load(url, request, 64, args.requests_c64, args.max_seconds)
+        cpu = _cpu_s(gateway_pid) - cpu_before
+        if result["requests"]:
+            net = max(0.0, cpu - idle_rate * result["seconds"])
+            result["gateway_cpu_ms_per_request"] = round(cpu / result["requests"] * 1000, 4)
+            result["gateway_cpu_ms_per_request_net_of_idle"] = round(
+                net / result["requests"] * 1000, 4
+            )
+        out[name] = result
+    passthrough = out["passthrough"].get("gateway_cpu_ms_per_request")
+    queued = out["queued"].get("gateway_cpu_ms_per_request")
+    out["cpu_ratio_queued_over_passthrough"] = (
+        round(queued / passthrough, 3) if passthrough and queued else None
+    )
+    return out
+
+
 def write_config(path: Path, models: list[dict[str, Any]], access_log: bool) -> None:
     import yaml
 
@@ -268,19 +314,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     gateway: subprocess.Popen | None = None
     report: dict[str, Any] = {
         "benchmark": "gateway overhead (direct vs through the gateway)",
-        "machine": {
-            "load_average_at_start": os.getloadavg(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "goals": GOALS,
     }
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mock_url = mock.start(timeout=60).url
-            models = [{"name": "bench", "upstreams": [mock_url]}]
+            models = [
+                {"name": "bench", "upstreams": [mock_url]},
+                {
+                    "name": "bench-admitted",
+                    "upstreams": [mock_url],
+                    "admission": {"max_in_flight": ADMITTED_SLOTS},
+                },
+            ]
             if args.engine_url:
                 models.append(
                     {
@@ -315,6 +363,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             report["mock"] = await measure(
                 mock_url, gateway_url, gateway.pid, "mock", "bench", args, 1.0
             )
+            report["admission"] = await measure_admission(
+                gateway_url, gateway.pid, args, report["mock"]["gateway_idle_cpu_s_per_s"]
+            )
             if args.engine_url:
                 wait_ready(args.engine_url.rstrip("/") + args.engine_health_path, None)
                 report["engine"] = await measure(
@@ -334,6 +385,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     vs = report["mock"]["gateway_vs_direct"]
     gateway_rps = report["mock"]["gateway"]["c64"]["requests_per_s"]
     cpu_ms = vs["gateway_cpu_ms_per_request_c64"]
+    admission_ratio = report["admission"]["cpu_ratio_queued_over_passthrough"]
     report["summary"] = {
         "gateway_cpu_ms_per_request": cpu_ms,
         "gateway_capacity_req_per_s_per_core": round(1000 / cpu_ms) if cpu_ms else None,
@@ -341,12 +393,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "added_p50_ms_c1": vs["added_p50_ms_c1"],
         "added_p99_ms_c1": vs["added_p99_ms_c1"],
         "first_chunk_overhead_ms": vs["first_chunk_overhead_p50_ms"],
+        "admission_cpu_ratio_queued_over_passthrough": admission_ratio,
         "goals_met": {
             "cpu_ms_per_request": cpu_ms is not None and cpu_ms <= GOALS["cpu_ms_per_request"],
             "added_p50_ms_c1": vs["added_p50_ms_c1"] <= GOALS["added_p50_ms_c1"],
             "gateway_rps_c64": gateway_rps >= GOALS["gateway_rps_c64"],
             "first_chunk_overhead_ms": vs["first_chunk_overhead_p50_ms"]
             <= GOALS["first_chunk_overhead_ms"],
+            "admission_cpu_ratio": admission_ratio is not None
+            and admission_ratio <= GOALS["admission_cpu_ratio"],
         },
         "note": "load generator, mock upstream and gateway share this machine's CPUs; "
         "requests/s is bounded by all three, CPU per request by the gateway alone",
