@@ -101,16 +101,17 @@ class ModelLine:
     async def _enter(self, seat: Seat) -> None:
         ticket = seat.ticket
         capacity = self.capacity()
+        if self.scheduler.in_flight < capacity and not self.scheduler.waiting:
+            self._admit_now(seat)  # the common case: a free slot and nobody before it
+            return
         if capacity == 0:
             try:
                 coming = await self.supply(self.route, ())
             except RequestRefused as refused:
                 ticket.move(TicketState.DONE)
                 raise self.count(refused) from None
-            if not coming:
-                self.scheduler.admit_now(ticket)
-                self.drain.started(time.monotonic())
-                self._observe_wait(seat, 0.0)
+            if not coming:  # the proxy's answer will say so
+                self._admit_now(seat)
                 return
             capacity = self.capacity()
         arrival = self.scheduler.arrive(ticket, capacity, self.drain, self.max_wait_s)
@@ -124,6 +125,11 @@ class ModelLine:
         self.pump(now)  # the same clock: a request admitted at once waited 0
         if ticket.state is TicketState.WAITING:
             await self._wait(seat)
+
+    def _admit_now(self, seat: Seat) -> None:
+        self.scheduler.admit_now(seat.ticket)
+        self.drain.started(time.monotonic())
+        self._observe_wait(seat, 0.0)
 
     def _joined(self, seat: Seat, now: float) -> None:
         seat.queued_at = now

@@ -139,8 +139,9 @@ class Scheduler:
         return Arrival(Outcome.WAITING, evicted)
 
     def admit_now(self, ticket: Ticket) -> None:
-        """Admits ``ticket`` past the capacity: its model has no slot and none is coming, so the
-        request goes on to get the answer that says so."""
+        """Admits ``ticket`` without the line: a slot is free and nobody waits, or its model has
+        no slot and none is coming (then past the capacity: the request goes on to get the
+        answer that says so)."""
         ticket.seq = next(self._seq)
         self._band(ticket.tenant.band).counters.join(ticket.tenant.name)
         self._admit(ticket)
