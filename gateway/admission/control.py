@@ -29,8 +29,9 @@ class AdmissionControl:
         """Applies a (re)loaded config; ``routes``: the router's, already applied. The requests
         waiting for a model that left the config are refused."""
         self._tenants = {key.name: _tenant(key) for key in config.gateway.auth.keys}
-        names = {*self._tenants, ANONYMOUS.name}
-        bands = {tenant.band for tenant in self._tenants.values()} or {ANONYMOUS.band}
+        tenants = list(self._tenants.values()) or [ANONYMOUS]  # open mode: one tenant
+        names = {tenant.name for tenant in tenants}
+        bands = {tenant.band for tenant in tenants}
         lines: dict[str, ModelLine] = {}
         for name, route in routes.items():
             line = self.lines.get(name) or ModelLine(route, self.metrics, self.supply)
