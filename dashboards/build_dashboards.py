@@ -256,8 +256,58 @@ GATEWAY_PANELS: list[Panel] = [
             ),
         ],
     ),
-    # Residency (gateway/residency): what is loaded, what it costs to bring a model up, and who
-    # waits meanwhile.
+    # Admission (gateway/admission): each model's line, for a free slot or for a replica to come
+    # (a load, a wake, a restart), and how fairly each key is served.
+    (
+        "Waiting in line (by band) and refusals",
+        "short",
+        [
+            (
+                "waiting {{model}} band {{band}}",
+                'sum by (model, band) (modelyard_admission_queue_depth{model=~"$model"})',
+            ),
+            (
+                "refused / s {{reason}}",
+                'sum by (reason) (rate(modelyard_admission_refused_total{model=~"$model"}[$__rate_interval]))',
+            ),
+        ],
+    ),
+    (
+        "Wait in line by key (p50, p99)",
+        "s",
+        [
+            (
+                "p50 {{key}}",
+                'histogram_quantile(0.5, sum by (le, key) (rate(modelyard_admission_wait_seconds_bucket{model=~"$model"}[$__rate_interval])))',
+            ),
+            (
+                "p99 {{key}}",
+                'histogram_quantile(0.99, sum by (le, key) (rate(modelyard_admission_wait_seconds_bucket{model=~"$model"}[$__rate_interval])))',
+            ),
+        ],
+    ),
+    (
+        "Tokens served / s by key (divide by its weight: equal within a band when all are busy)",
+        "short",
+        [
+            (
+                "{{key}}",
+                'sum by (key) (rate(modelyard_admission_charged_tokens_total{model=~"$model"}[$__rate_interval]))',
+            ),
+        ],
+    ),
+    (
+        "Shed requests / s by key",
+        "reqps",
+        [
+            (
+                "{{key}} {{model}}",
+                'sum by (model, key) (rate(modelyard_admission_shed_total{model=~"$model"}[$__rate_interval]))',
+            ),
+        ],
+    ),
+    # Residency (gateway/residency): what is loaded and what it costs to bring a model up (the
+    # requests waiting meanwhile are in the line, above).
     (
         "Replicas by state",
         "short",
@@ -279,36 +329,12 @@ GATEWAY_PANELS: list[Panel] = [
         ],
     ),
     (
-        "Held requests and refusals",
-        "short",
-        [
-            (
-                "held {{model}}",
-                'sum by (model) (modelyard_hold_queue_depth{model=~"$model"})',
-            ),
-            (
-                "refused / s {{reason}}",
-                'sum by (reason) (rate(modelyard_hold_queue_refused_total{model=~"$model"}[$__rate_interval]))',
-            ),
-        ],
-    ),
-    (
         "Poison requests / s",
         "short",
         [
             (
                 "{{result}} {{model}}",
                 'sum by (model, result) (rate(modelyard_poison_requests_total{model=~"$model"}[$__rate_interval]))',
-            ),
-        ],
-    ),
-    (
-        "Hold wait (p95)",
-        "s",
-        [
-            (
-                "{{model}}",
-                'histogram_quantile(0.95, sum by (le, model) (rate(modelyard_hold_queue_wait_seconds_bucket{model=~"$model"}[$__rate_interval])))',
             ),
         ],
     ),

@@ -1,7 +1,8 @@
 """Admin endpoints for residency (admin key required): ``GET /admin/models`` shows each model's
-state, footprint and what it holds now, requests in flight and held, completion tokens per second
-over the last minute, its idle time and what is left of its idle TTL, and its replicas (uptime,
-restarts, measured memory), and the memory budget (``modelyard ps`` shows it); ``POST
+state, footprint and what it holds now, requests in flight and queued in its line
+(gateway/admission), completion tokens per second over the last minute, its idle time and what is
+left of its idle TTL, and its replicas (uptime, restarts, measured memory), and the memory budget
+(``modelyard ps`` shows it); ``POST
 /admin/models/{name}/load``, ``/park`` and ``/unload`` act on one local model and answer when
 done."""
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 from aiohttp import web
 
 from common.errors import RequestRefused, excerpt
-from gateway.proxy.failures import UpstreamFailure
 from gateway.residency import ResidencyManager
 from gateway.residency.plan import Eviction
 from gateway.state import GATEWAY_KEY
@@ -27,6 +27,7 @@ async def models(request: web.Request) -> web.Response:
             "local": route.config.local,
             "in_flight": route.inflight,
             "completion_tokens_per_s": round(gw.token_rates.per_second(route.name), 3),
+            "queued_requests": gw.admission.waiting(route.name),
         }
         if route.name in residency.models:
             entry.update(residency.describe(route.name))
@@ -49,10 +50,7 @@ def _local_model(request: web.Request) -> tuple[ResidencyManager, str]:
 
 async def load(request: web.Request) -> web.Response:
     residency, name = _local_model(request)
-    try:
-        await residency.load(name)
-    except UpstreamFailure as refused:  # model_failed, or model_unloaded by an unload meanwhile
-        return refused.response({})
+    await residency.load(name)  # refused: model_failed, or model_unloaded by an unload meanwhile
     return web.json_response({"model": name, **residency.describe(name)})
 
 

@@ -1,8 +1,9 @@
 """Prometheus metrics of the gateway, prefix ``modelyard_``.
 
 Labels are bounded: ``model`` is a configured model name (``_unknown`` for names that resolve to
-nothing), ``backend`` a configured backend's host:port, ``code`` an HTTP status, ``limit``/``kind``/
-``reason`` small fixed sets. Never a request id or an API key.
+nothing), ``backend`` a configured backend's host:port, ``code`` an HTTP status, ``key`` a
+configured API key's name (``_anonymous`` in open mode), ``band`` a configured key priority,
+``limit``/``kind``/``reason`` small fixed sets. Never a request id or an API key's secret.
 """
 
 from __future__ import annotations
@@ -34,11 +35,15 @@ RETRY_REASONS = (
     "engine_crashed",
 )
 TIMEOUT_KINDS = ("connect", "first_byte", "idle", "total")
-RATE_LIMITS = ("key_requests", "key_tokens", "model_requests", "model_tokens", "concurrency")
+RATE_LIMITS = ("key_requests", "key_tokens", "model_requests", "model_tokens")
 LIMIT_STORE_ERRORS = ("connection", "timeout", "response")  # gateway/limits/shared.py
 ON_ERROR_POLICIES = ("allow", "deny", "local")
 RELOAD_RESULTS = ("applied", "rejected")
-HOLD_REFUSALS = ("hold_queue_full", "model_loading_timeout", "model_failed", "model_unloaded")
+# gateway/admission/refusals.py's codes, and the residency manager's refusals of a model's line
+ADMISSION_REFUSALS = (
+    "request_shed", "queue_full", "queue_timeout", "hold_queue_full", "model_loading_timeout",
+    "model_failed", "model_unloaded",
+)  # fmt: skip
 POISON_RESULTS = ("suspect", "cleared", "marked", "refused")  # gateway/proxy/quarantine.py
 LOAD_STATES = {ReplicaState.STARTING: "cold", ReplicaState.WAKING: "wake"}
 EVICTIONS = tuple((a, r) for a in ("park", "stop") for r in ("idle", "memory", "operator"))
@@ -141,6 +146,7 @@ class GatewayMetrics:
             "modelyard_timeouts", "Upstream timeouts by kind", ["model", "kind"], registry=r
         )
         self._children: dict[tuple, Any] = {}
+        self._declare_admission_metrics(r)
         self._declare_residency_metrics(r)
         self.config_reloads = Counter(
             "modelyard_config_reloads", "Config reloads by result", ["result"], registry=r
@@ -189,6 +195,52 @@ class GatewayMetrics:
         for limit in RATE_LIMITS:
             self.rate_limited.labels(model, limit)
 
+    def _declare_admission_metrics(self, r: CollectorRegistry) -> None:
+        self.admission_depth = Gauge(
+            "modelyard_admission_queue_depth",
+            "Requests waiting in the model's line (for a free slot, or for a replica to come), "
+            "by the priority band of their key",
+            ["model", "band"],
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "modelyard_admission_wait_seconds",
+            "Time requests spent in their model's line, whatever came of it (0: admitted at once)",
+            ["model", "key"],
+            buckets=(0, *_LATENCY_BUCKETS),
+            registry=r,
+        )
+        self.admission_refused = Counter(
+            "modelyard_admission_refused",
+            "Requests their model's line refused or dropped, by reason (request_shed: 429)",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.admission_shed = Counter(
+            "modelyard_admission_shed",
+            "Sheddable requests refused or dropped from the line under overload, by key",
+            ["model", "key"],
+            registry=r,
+        )
+        self.admission_tokens = Counter(
+            "modelyard_admission_charged_tokens",
+            "Prompt and generated tokens served to each key (its fair share, once divided by its "
+            "weight), counted when each request ends",
+            ["model", "key"],
+            registry=r,
+        )
+
+    def declare_admission(self, model: str, bands: set[int], keys: set[str]) -> None:
+        """A model's line series, at zero before their first event (the wait histogram's come
+        with the first request of each key: a histogram is many series)."""
+        for band in bands:
+            self.admission_depth.labels(model, str(band))
+        for reason in ADMISSION_REFUSALS:
+            self.admission_refused.labels(model, reason)
+        for key in keys:
+            self.admission_shed.labels(model, key)
+            self.admission_tokens.labels(model, key)
+
     def _declare_residency_metrics(self, r: CollectorRegistry) -> None:
         self.replica_state = Gauge(
             "modelyard_replica_state",
@@ -202,25 +254,6 @@ class GatewayMetrics:
             "From a replica's start (cold) or wake request (wake) to its ready state",
             ["model", "kind"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.hold_depth = Gauge(
-            "modelyard_hold_queue_depth",
-            "Requests held while their model loads, wakes or restarts",
-            ["model"],
-            registry=r,
-        )
-        self.hold_wait = Histogram(
-            "modelyard_hold_queue_wait_seconds",
-            "Time requests spent held, whatever came of it",
-            ["model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.hold_refused = Counter(
-            "modelyard_hold_queue_refused",
-            "Held requests answered 503, by reason",
-            ["model", "reason"],
             registry=r,
         )
         self.evictions = Counter(
@@ -253,11 +286,8 @@ class GatewayMetrics:
 
     def declare_residency(self, model: str) -> None:
         """A local model's residency series, at zero before their first event."""
-        self.hold_depth.labels(model)
         for kind in LOAD_STATES.values():  # a pinned model loads once: rate() must see it
             self.model_load.labels(model, kind)
-        for reason in HOLD_REFUSALS:
-            self.hold_refused.labels(model, reason)
         for action, reason in EVICTIONS:
             self.evictions.labels(model, action, reason)
         for result in POISON_RESULTS:

@@ -102,6 +102,8 @@ def _finish(
             prompt_tokens=ex.prompt_tokens,
             completion_tokens=ex.completion_tokens,
             error=ex.error,
+            queue_wait_ms=round(ex.seat.wait_s * 1000, 2),
+            queue_position=ex.seat.position,
         )
     gateway.access_log.write(entry)
 

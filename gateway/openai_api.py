@@ -1,4 +1,5 @@
-"""The OpenAI-compatible endpoints: parse and check the request, route, rate-limit, proxy."""
+"""The OpenAI-compatible endpoints: parse and check the request, route, rate-limit, wait in the
+model's line (gateway/admission), proxy."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def prompt_text(payload: dict[str, Any], limit: int) -> str:
 
 def estimate_prompt_tokens(payload: dict[str, Any]) -> int:
     """About four characters per token, plus a few per chat message; token-id prompts count
-    exactly. Corrected from the upstream's usage once the answer is in."""
+    exactly. Corrected from the upstream's usage once the answer is in (rate limits, fair
+    shares)."""
     tokens = 0
     prompt = payload.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -165,22 +167,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
     request[MODEL] = route.name
     check_capabilities(payload, route.config.capabilities, route.name)  # before any limit counts it
     key_name = key.name if key else None
-    limits = route.config.limits
-    if limits.max_concurrency is not None and route.inflight >= limits.max_concurrency:
-        gw.metrics.rate_limited.labels(route.name, "concurrency").inc()
-        raise RequestRefused(
-            429,
-            f"Too many concurrent requests for model '{route.name}'.",
-            code="rate_limit_exceeded",
-            headers={
-                "Retry-After": "1",
-                "x-ratelimit-limit-concurrency": str(limits.max_concurrency),
-                "x-ratelimit-remaining-concurrency": "0",
-            },
-        )
-    estimate = (
-        estimate_prompt_tokens(payload) if gw.limiter.needs_estimate(key_name, route.name) else 0
-    )
+    estimate = estimate_prompt_tokens(payload)
     try:
         grant = await gw.limiter.admit(key_name, route.name, estimate)
     except RateLimited as limited:
@@ -192,6 +179,7 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
             code="rate_limit_exceeded",
             headers=limited.headers,
         ) from None
+    seat = gw.admission.seat(route, key, estimate)
     stream = payload.get("stream") is True
     forward_body, strip_usage = upstream_body(body, payload, route, stream)
     ex = Exchange(
@@ -202,20 +190,28 @@ async def _completion(request: web.Request, path: str, chat: bool) -> web.Stream
         strip_usage=strip_usage,
         route=route,
         grant=grant,
+        seat=seat,
         affinity_key=affinity_key(route, payload),
         client=key_name or request.remote or "",
         started=started,
     )
     request[EXCHANGE] = ex
     gw.residency.touch(route.name)
-    route.inflight += 1
-    in_flight = gw.metrics.child(gw.metrics.in_flight, route.name)
-    in_flight.inc()
     try:
-        return await gw.proxy.forward(request, ex)
+        await seat.take()
+        route.inflight += 1
+        in_flight = gw.metrics.child(gw.metrics.in_flight, route.name)
+        in_flight.inc()
+        try:
+            return await gw.proxy.forward(request, ex)
+        finally:
+            route.inflight -= 1
+            in_flight.dec()
+    except RequestRefused as refused:  # by the line, before or after an attempt
+        ex.error = refused.code
+        raise
     finally:
-        route.inflight -= 1
-        in_flight.dec()
+        seat.finish(ex.prompt_tokens, ex.completion_tokens)  # the slot, whatever happened
         gw.residency.touch(route.name)  # the idle TTL counts from the last request's end
         if ex.prompt_tokens is not None and ex.completion_tokens is not None:
             metrics = gw.metrics

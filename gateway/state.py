@@ -1,6 +1,6 @@
 """The gateway's state: everything one gateway process knows and runs (router, health checks,
-proxy, limits, engine pool and residency), built from a validated config and swapped to a new one
-on reload. Handlers reach it through ``request.app[GATEWAY_KEY]``."""
+proxy, limits, admission, engine pool and residency), built from a validated config and swapped to
+a new one on reload. Handlers reach it through ``request.app[GATEWAY_KEY]``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import aiohttp
 from aiohttp import web
 
 from gateway.access_log import AccessLog
+from gateway.admission import AdmissionControl
 from gateway.auth import Authenticator
+from gateway.backend import Backend, BackendState
 from gateway.config import ConfigError, FleetConfig, load_config
 from gateway.config_watch import ConfigWatcher
 from gateway.engines.pool import EnginePool
@@ -45,7 +47,8 @@ class Gateway:
         self.config_path = config_path
         self.started_at = int(time.time())
         self.metrics = GatewayMetrics()
-        self.router = Router(on_backend_state=self.metrics.backend_changed)
+        self.admission = AdmissionControl(self.metrics)
+        self.router = Router(on_backend_state=self._backend_changed)
         state = config.gateway.state
         self.limiter = RateLimiter(SharedLimits(state, self.metrics) if state else None)
         self.token_rates = TokenRates()  # completion tokens per model, last minute (admin API)
@@ -57,8 +60,11 @@ class Gateway:
         self.pool = EnginePool(
             self.set_backends, self.router.find, cwd=engine_cwd, launcher=engine_launcher
         )
-        self.residency = ResidencyManager(self.pool, self.router, self.metrics, config)
+        self.residency = ResidencyManager(
+            self.pool, self.router, self.metrics, config, self.admission
+        )
         self.pool.on_transition = self.residency.on_transition
+        self.admission.supply = self.residency.supply
         self.access_log = AccessLog()  # stdout
         self.health: HealthMonitor
         self.proxy: Proxy
@@ -67,6 +73,7 @@ class Gateway:
         self._watch_task: asyncio.Task[None] | None = None
         self.router.apply(config)
         self.limiter.configure(config)
+        self.admission.configure(config, self.router.routes)
         for model in config.models:
             self.metrics.declare_model(model.name)
 
@@ -87,7 +94,6 @@ class Gateway:
             self.health,
             self.metrics,
             gw.retries,
-            self.residency.wait_for_backend,
             self.residency.engine_crashed,
         )
         self.health.sync()
@@ -118,9 +124,14 @@ class Gateway:
             await self.session.close()
 
     def set_backends(self, model: str, urls: list[str]) -> None:
-        """For the engine pool: the URLs now serving a local model."""
+        """For the engine pool: the URLs now serving a local model (their slots open its line)."""
         _, removed = self.router.set_backends(model, urls)
         self.health.sync(removed)
+        self.admission.pump(model)
+
+    def _backend_changed(self, backend: Backend, before: BackendState | None) -> None:
+        self.metrics.backend_changed(backend, before)
+        self.admission.backend_changed(backend, before)
 
     async def reload(self) -> FleetConfig:
         """Reloads models.yaml; raises ConfigError (and changes nothing) if it is invalid."""
@@ -163,6 +174,7 @@ class Gateway:
         self.health.configure(new.health, new.ejection)
         self.health.sync(removed)
         self.limiter.configure(config)
+        self.admission.configure(config, self.router.routes)
         self.auth = Authenticator(new.auth)
         if new.retries != old.retries:
             self.proxy.configure(new.retries)

@@ -12,6 +12,13 @@ concurrency 64 through two more gateways whose model has rpm/tpm limits, kept in
 a redis-server on loopback (``gateway.state``), in alternating rounds. Every phase is bounded by a
 request count and a time limit.
 
+Admission (the mock only): the same concurrency-64 load on two models of the one mock, in the same
+gateway process: ``bench``, whose slots (256 per backend, an external upstream's default) are never
+all taken, so every request passes its model's line at once (the path requests took before
+admission had a line), and ``bench-admitted``, with ADMITTED_SLOTS slots, so that most requests
+wait in the line and are dispatched by the fair scheduler; the gateway's CPU per request of each,
+and their ratio (goal: at most 1.3).
+
     python scripts/bench_gateway.py --out bench-results/gateway.json
     python scripts/bench_gateway.py --engine-url http://127.0.0.1:8001 --engine-model smollm2
 """
@@ -48,12 +55,14 @@ from scripts.mock_upstream import MockUpstream  # noqa: E402
 from scripts.redis_server import RedisServer  # noqa: E402
 
 IDLE_SAMPLE_S = 2.0
+ADMITTED_SLOTS = 8  # bench-admitted's: at concurrency 64, 56 requests wait in its line
 GOALS = {
     "cpu_ms_per_request": 0.5,
     "added_p50_ms_c1": 1.0,
     "gateway_rps_c64": 1500,
     "first_chunk_overhead_ms": 1.0,
     "limits_redis_cpu_ratio": 1.3,  # CPU per request, limits in Redis vs in-process
+    "admission_cpu_ratio": 1.3,
 }
 UNLIMITED = {"rpm": 10**9, "tpm": 10**12}  # limits that never refuse: their cost alone
 
@@ -193,10 +202,7 @@ async def measure(
         return max(10, int(count * scale))
 
     def gateway_cpu_s() -> float:
-        seconds = cpu_seconds(gateway_pid)
-        if seconds is None:
-            raise RuntimeError(f"the gateway (PID {gateway_pid}) is gone")
-        return seconds
+        return _cpu_s(gateway_pid)
 
     out: dict[str, Any] = {"direct": {}, "gateway": {}}
     targets = (("direct", direct_base, direct_model), ("gateway", gateway_base, gateway_model))
@@ -250,6 +256,46 @@ async def measure(
             "gateway_cpu_s_per_1000_net_of_idle"
         ),
     }
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    seconds = cpu_seconds(pid)
+    if seconds is None:
+        raise RuntimeError(f"the gateway (PID {pid}) is gone")
+    return seconds
+
+
+async def measure_admission(
+    gateway_base: str, gateway_pid: int, args: argparse.Namespace, idle_rate: float
+) -> dict[str, Any]:
+    """Concurrency 64 on ``bench`` (every request passes its line at once) and on
+    ``bench-admitted`` (most wait in it): the gateway's CPU per request of each, in turns."""
+    body = json.dumps(
+        {"model": "bench", "max_tokens": args.max_tokens,
+         "messages": [{"role": "user", "content": "Say hi."}]}
+    ).encode()  # fmt: skip
+    bodies = {"passthrough": body, "queued": body.replace(b'"bench"', b'"bench-admitted"')}
+    url = gateway_base + "/v1/chat/completions"
+    out: dict[str, Any] = {"slots_queued": ADMITTED_SLOTS}
+    for request in bodies.values():
+        await raw_load(url, request, 8, 200, 10)  # warm
+    for name, request in bodies.items():
+        cpu_before = _cpu_s(gateway_pid)
+        result = await raw_load(url, request, 64, args.requests_c64, args.max_seconds)
+        cpu = _cpu_s(gateway_pid) - cpu_before
+        if result["requests"]:
+            net = max(0.0, cpu - idle_rate * result["seconds"])
+            result["gateway_cpu_ms_per_request"] = round(cpu / result["requests"] * 1000, 4)
+            result["gateway_cpu_ms_per_request_net_of_idle"] = round(
+                net / result["requests"] * 1000, 4
+            )
+        out[name] = result
+    passthrough = out["passthrough"].get("gateway_cpu_ms_per_request")
+    queued = out["queued"].get("gateway_cpu_ms_per_request")
+    out["cpu_ratio_queued_over_passthrough"] = (
+        round(queued / passthrough, 3) if passthrough and queued else None
+    )
     return out
 
 
@@ -361,7 +407,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mock_url = mock.start(timeout=60).url
-            models = [{"name": "bench", "upstreams": [mock_url]}]
+            models = [
+                {"name": "bench", "upstreams": [mock_url]},
+                {
+                    "name": "bench-admitted",
+                    "upstreams": [mock_url],
+                    "admission": {"max_in_flight": ADMITTED_SLOTS},
+                },
+            ]
             if args.engine_url:
                 models.append(
                     {
@@ -376,6 +429,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             gateway, gateway_url = start_gateway(config)
             report["mock"] = await measure(
                 mock_url, gateway_url, gateway.pid, "mock", "bench", args, 1.0
+            )
+            report["admission"] = await measure_admission(
+                gateway_url, gateway.pid, args, report["mock"]["gateway_idle_cpu_s_per_s"]
             )
             if args.engine_url:
                 wait_ready(args.engine_url.rstrip("/") + args.engine_health_path, None)
@@ -398,6 +454,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     gateway_rps = report["mock"]["gateway"]["c64"]["requests_per_s"]
     cpu_ms = vs["gateway_cpu_ms_per_request_c64"]
     limits_ratio = report["limits"].get("gateway_cpu_ratio_redis_vs_in_process")
+    admission_ratio = report["admission"]["cpu_ratio_queued_over_passthrough"]
     report["summary"] = {
         "gateway_cpu_ms_per_request": cpu_ms,
         "gateway_capacity_req_per_s_per_core": round(1000 / cpu_ms) if cpu_ms else None,
@@ -406,6 +463,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "added_p99_ms_c1": vs["added_p99_ms_c1"],
         "first_chunk_overhead_ms": vs["first_chunk_overhead_p50_ms"],
         "limits_redis_cpu_ratio": limits_ratio,
+        "admission_cpu_ratio_queued_over_passthrough": admission_ratio,
         "goals_met": {
             "cpu_ms_per_request": cpu_ms is not None and cpu_ms <= GOALS["cpu_ms_per_request"],
             "added_p50_ms_c1": vs["added_p50_ms_c1"] <= GOALS["added_p50_ms_c1"],
@@ -414,6 +472,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             <= GOALS["first_chunk_overhead_ms"],
             "limits_redis_cpu_ratio": limits_ratio is not None
             and limits_ratio <= GOALS["limits_redis_cpu_ratio"],
+            "admission_cpu_ratio": admission_ratio is not None
+            and admission_ratio <= GOALS["admission_cpu_ratio"],
         },
         "note": "load generator, mock upstream and gateway share this machine's CPUs; "
         "requests/s is bounded by all three, CPU per request by the gateway alone",

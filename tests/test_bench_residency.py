@@ -123,9 +123,11 @@ modelyard_model_load_seconds_count{kind="cold",model="a"} 2.0
 modelyard_model_load_seconds_sum{kind="cold",model="a"} 22.5
 modelyard_model_load_seconds_count{kind="wake",model="c"} 4.0
 modelyard_model_load_seconds_sum{kind="wake",model="c"} 2.0
-# TYPE modelyard_hold_queue_wait_seconds histogram
-modelyard_hold_queue_wait_seconds_count{model="c"} 3.0
-modelyard_hold_queue_wait_seconds_sum{model="c"} 1.5
+# TYPE modelyard_admission_wait_seconds histogram
+modelyard_admission_wait_seconds_bucket{key="_anonymous",le="0.0",model="c"} 2.0
+modelyard_admission_wait_seconds_bucket{key="_anonymous",le="0.001",model="c"} 2.0
+modelyard_admission_wait_seconds_count{key="_anonymous",model="c"} 5.0
+modelyard_admission_wait_seconds_sum{key="_anonymous",model="c"} 1.5
 """
 
 

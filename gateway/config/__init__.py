@@ -2,7 +2,8 @@
 
 ``schema.py`` holds the dataclasses (and every default), ``reader.py`` the generic reader that
 collects problems, one module per section reads it (``gateway_settings.py``, ``defaults.py``,
-``models.py``) and ``loading.py`` puts the file together. Import from here.
+``models.py``; ``residency.py`` and ``admission.py`` the settings of those two concerns across
+sections) and ``loading.py`` puts the file together. Import from here.
 """
 
 from gateway.config.gateway_settings import with_listen
@@ -10,7 +11,9 @@ from gateway.config.loading import load_config, parse_config
 from gateway.config.reader import ConfigError
 from gateway.config.schema import (
     ADMIN_KEY_ENV,
+    ADMISSION_POLICIES,
     MAX_GPU_FRACTION_SUM,
+    AdmissionSettings,
     Affinity,
     ApiKey,
     AuthSettings,
@@ -19,11 +22,12 @@ from gateway.config.schema import (
     FleetConfig,
     GatewaySettings,
     HealthSettings,
-    HoldQueue,
     MemoryBudget,
+    ModelAdmission,
     ModelConfig,
     ModelDefaults,
     ModelLimits,
+    QueueSettings,
     RetrySettings,
     SharedState,
     Timeouts,
@@ -31,7 +35,9 @@ from gateway.config.schema import (
 
 __all__ = [
     "ADMIN_KEY_ENV",
+    "ADMISSION_POLICIES",
     "MAX_GPU_FRACTION_SUM",
+    "AdmissionSettings",
     "Affinity",
     "ApiKey",
     "AuthSettings",
@@ -41,11 +47,12 @@ __all__ = [
     "FleetConfig",
     "GatewaySettings",
     "HealthSettings",
-    "HoldQueue",
     "MemoryBudget",
+    "ModelAdmission",
     "ModelConfig",
     "ModelDefaults",
     "ModelLimits",
+    "QueueSettings",
     "RetrySettings",
     "SharedState",
     "Timeouts",

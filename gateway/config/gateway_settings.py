@@ -1,6 +1,6 @@
 """The ``gateway`` section: listen address, timeouts, health checks, ejection, retries, limits on
-clients and bodies, the switches (access log, config watch, engine template), and API keys.
-Defaults come from the dataclasses in schema.py."""
+clients and bodies, the switches (access log, config watch, engine template), API keys and the
+admission policy. Defaults come from the dataclasses in schema.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import ipaddress
 from dataclasses import replace
 
 from common.http_server import ClientLimits
+from gateway.config.admission import read_gateway_admission, read_key_admission
 from gateway.config.reader import ConfigError, Reader
 from gateway.config.residency import read_memory
 from gateway.config.schema import (
@@ -42,6 +43,7 @@ def read_gateway(r: Reader) -> GatewaySettings:
         auth=_read_auth(r.section("auth")),
         memory=read_memory(r.section("memory")),
         state=read_state(r),
+        admission=read_gateway_admission(r.section("admission")),
     )
     if settings.auth.open_mode and not is_loopback(host):
         r.error(
@@ -190,7 +192,14 @@ def _read_key(k: Reader, names: set[str]) -> ApiKey:
         models = None
     rpm = k.integer("rpm", None)
     tpm = k.integer("tpm", None)
+    admission = read_key_admission(k)
     k.finish()
     return ApiKey(
-        name=name or "", key_env=env or "", secret=secret or "", models=models, rpm=rpm, tpm=tpm
+        name=name or "",
+        key_env=env or "",
+        secret=secret or "",
+        models=models,
+        rpm=rpm,
+        tpm=tpm,
+        **admission,
     )

@@ -1,5 +1,5 @@
 """One entry of the ``models`` list: a local model (``source``, spawned by the engine pool) or an
-external one (``upstreams``, routed to), with its limits, affinity and timeouts."""
+external one (``upstreams``, routed to), with its limits, affinity, timeouts and admission."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from gateway.config.admission import read_model_admission, read_queue
 from gateway.config.defaults import read_engine_settings
 from gateway.config.gateway_settings import read_timeouts
 from gateway.config.reader import Reader
@@ -81,6 +82,8 @@ def read_model(
         upstream_model=r.string("upstream_model"),
         engine_args=r.string_list("engine_args"),
         timeouts=read_timeouts(r.section("timeouts"), gateway.timeouts),
+        queue=read_queue(r.section("queue")),
+        admission=read_model_admission(r.section("admission"), gateway.admission),
         **read_residency(r, local=source is not None),
     )
     r.finish()

@@ -1,6 +1,6 @@
 """Residency settings: the fleet's memory budget (``gateway.memory``) and, per local model, how it
-stays resident (``residency``, ``idle_ttl_s``, ``priority``, ``memory_estimate``) and how many
-requests wait for it while it loads (``queue``). Defaults come from schema.py."""
+stays resident (``residency``, ``idle_ttl_s``, ``priority``, ``memory_estimate``). Defaults come
+from schema.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from gateway.config.reader import Reader
 from gateway.config.schema import (
     MAX_GPU_FRACTION_SUM,
     RESIDENCY_KINDS,
-    HoldQueue,
     MemoryBudget,
     ModelConfig,
 )
@@ -29,17 +28,6 @@ def read_memory(r: Reader) -> MemoryBudget:
     return budget
 
 
-def read_queue(r: Reader) -> HoldQueue:
-    d = HoldQueue()
-    queue = HoldQueue(
-        max_requests=r.integer("max_requests", d.max_requests, minimum=0),
-        max_wait_s=r.duration("max_wait_s", d.max_wait_s),
-        failed_retry_s=r.duration("failed_retry_s", d.failed_retry_s),
-    )
-    r.finish()
-    return queue
-
-
 def read_residency(r: Reader, local: bool) -> dict[str, object]:
     """The residency fields of a model (keyword arguments of ModelConfig); only a local model
     may be on demand."""
@@ -55,5 +43,4 @@ def read_residency(r: Reader, local: bool) -> dict[str, object]:
         "idle_ttl_s": r.duration("idle_ttl_s", d.idle_ttl_s),
         "priority": r.integer("priority", d.priority, minimum=-1000, maximum=1000),
         "memory_estimate": r.size("memory_estimate", d.memory_estimate),
-        "queue": read_queue(r.section("queue")),
     }

@@ -16,6 +16,10 @@ ON_ERROR_POLICIES = ("allow", "deny", "local")  # gateway.state.on_error
 # The variable holding the admin key in the shipped models.yaml (gateway.auth.admin_key_env), in
 # a fleet from the command line, and where `modelyard ps` looks for it
 ADMIN_KEY_ENV = "MODELYARD_ADMIN_KEY"
+ADMISSION_POLICIES = ("fair", "fcfs")
+# An external upstream's slots per backend when its models.yaml entry sets none: vLLM's default
+# --max-num-seqs, the batch the most common upstream runs at once.
+EXTERNAL_MAX_IN_FLIGHT = 256
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,11 @@ class ApiKey:
     models: tuple[str, ...] | None  # None: every model
     rpm: int | None = None
     tpm: int | None = None
+    # Admission (gateway/admission): the key's band (higher bands are served first), its share
+    # of its model's tokens within the band, and whether it is refused first under overload.
+    priority: int = 0
+    weight: float = 1.0
+    sheddable: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,14 @@ class SharedState:
 
 
 @dataclass(frozen=True)
+class AdmissionSettings:
+    """``gateway.admission``: the order in which each model's line is served, unless the model
+    sets its own."""
+
+    policy: str = "fair"  # one of ADMISSION_POLICIES
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -121,6 +138,7 @@ class GatewaySettings:
     auth: AuthSettings = AuthSettings()
     memory: MemoryBudget = MemoryBudget()
     state: SharedState | None = None  # None: every limit is this process's own
+    admission: AdmissionSettings = AdmissionSettings()
 
 
 @dataclass(frozen=True)
@@ -138,7 +156,7 @@ class ModelDefaults:
 class ModelLimits:
     rpm: int | None = None
     tpm: int | None = None
-    max_concurrency: int | None = None
+    max_concurrency: int | None = None  # the model's slots over all its replicas (admission)
 
 
 @dataclass(frozen=True)
@@ -149,8 +167,19 @@ class Affinity:
 
 
 @dataclass(frozen=True)
-class HoldQueue:
-    """Requests held while a model has no ready replica (loading, waking, restarting)."""
+class ModelAdmission:
+    """``models[].admission``: the model's slots per available backend (None: derived, see
+    ``ModelConfig.max_in_flight``) and the order its line is served in (the gateway's unless
+    set)."""
+
+    max_in_flight: int | None = None
+    policy: str = AdmissionSettings.policy  # one of ADMISSION_POLICIES
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """The model's line (gateway/admission): requests waiting for a free slot, or for a replica
+    while none is ready (loading, waking, restarting)."""
 
     max_requests: int = 64
     max_wait_s: float = 120.0
@@ -200,7 +229,8 @@ class ModelConfig:
     idle_ttl_s: float = 600.0
     priority: int = 0  # among idle on-demand models, lower priorities are evicted first
     memory_estimate: int | None = None  # one replica's footprint until the engine reports one
-    queue: HoldQueue = HoldQueue()
+    queue: QueueSettings = QueueSettings()
+    admission: ModelAdmission = ModelAdmission()
 
     @property
     def on_demand(self) -> bool:
@@ -214,6 +244,15 @@ class ModelConfig:
     def wire_name(self) -> str:
         """The model name requests carry upstream."""
         return self.upstream_model or self.name
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests one available backend takes at once: as set, else a local engine's batch
+        (``max_num_seqs``: more would wait in the engine's own first-come queue, where tenants
+        look alike) or ``EXTERNAL_MAX_IN_FLIGHT``."""
+        if self.admission.max_in_flight is not None:
+            return self.admission.max_in_flight
+        return self.max_num_seqs if self.local else EXTERNAL_MAX_IN_FLIGHT
 
     @property
     def gpu_share(self) -> float:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gateway.admission import Seat
 from gateway.backend import Backend
 from gateway.limits import LimitGrant
 from gateway.proxy.failures import UpstreamFailure
@@ -23,6 +24,7 @@ class Exchange:
     strip_usage: bool
     route: ModelRoute
     grant: LimitGrant
+    seat: Seat  # its place in its model's line (gateway/admission)
     affinity_key: bytes | None = None
     client: str = ""  # who asked (API key name, else remote address): part of failure signatures
     started: float = field(default_factory=time.monotonic)

@@ -17,7 +17,7 @@ from gateway.proxy import stream, unary
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.failures import UpstreamFailure
 from gateway.proxy.quarantine import CrashCheck, Quarantine
-from gateway.proxy.retries import Hold, Retrier
+from gateway.proxy.retries import Retrier
 from gateway.proxy.upstream import Upstream
 
 
@@ -28,10 +28,8 @@ class Proxy:
         health: HealthMonitor,
         metrics: GatewayMetrics,
         retries: RetrySettings,
-        hold: Hold,
         engine_crashed: CrashCheck,
     ) -> None:
-        self.hold = hold  # waits for a local model's replica (gateway.residency)
         self.health = health
         self.metrics = metrics
         self.quarantine = Quarantine(metrics, engine_crashed)
@@ -42,7 +40,7 @@ class Proxy:
 
     def configure(self, retries: RetrySettings) -> None:
         """Applies new retry settings (a fresh retry budget with them)."""
-        self.retrier = Retrier(retries, self.health, self.metrics, self.quarantine, self.hold)
+        self.retrier = Retrier(retries, self.health, self.metrics, self.quarantine)
 
     async def forward(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         ex.task = asyncio.current_task()

@@ -9,13 +9,14 @@ gateway's whole per-request CPU.
 Two answers are not plain retries. A dropped connection whose engine crashed is judged by the
 quarantine (quarantine.py): a suspect is retried on probation, a poison request answered. A
 replica parked under the request (the engine's 503 ``engine_sleeping``) costs no attempt: the
-request is held while the model wakes (the hold wakes it), up to ``MAX_WAKE_WAITS`` times.
+request waits in its model's line again while the model wakes (its seat's hold wakes it), up to
+``MAX_WAKE_WAITS`` times.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
@@ -30,14 +31,9 @@ from gateway.proxy.budget import RetryBudget
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.failures import Asleep, Retryable, UpstreamFailure
 from gateway.proxy.quarantine import Quarantine
-from gateway.router import ModelRoute
 
 T = TypeVar("T")
 Attempt = Callable[[Exchange, Backend], Awaitable[T]]  # one try on one backend
-# Waits while the route's model has no replica up (loading, waking, restarting) besides the ones
-# tried, or raises the UpstreamFailure the client gets; returns at once when there is nothing to
-# wait for (a model that is not local among them).
-Hold = Callable[[ModelRoute, Collection[Backend]], Awaitable[None]]
 MAX_WAKE_WAITS = 3  # sleeping answers one request waits through (a park storm, not a parked model)
 
 
@@ -48,11 +44,9 @@ class Retrier:
         health: HealthMonitor,
         metrics: GatewayMetrics,
         quarantine: Quarantine,
-        hold: Hold,
     ) -> None:
         self.settings = settings
         self.quarantine = quarantine
-        self.hold = hold
         self.health = health
         self.metrics = metrics
         self.budget = RetryBudget(settings)
@@ -109,11 +103,11 @@ class Retrier:
                     raise failure.final() from None
 
     async def _backend(self, ex: Exchange, tried: list[Backend]) -> Backend:
-        """An available replica not tried yet, after holding the request while one is coming;
-        raises what the client gets when there is none."""
+        """An available replica not tried yet, after the request waited in its model's line
+        again while one is coming; raises what the client gets when there is none."""
         backend = ex.route.pick(tried, ex.affinity_key)
         if backend is None:
-            await self.hold(ex.route, tried)  # a replica loading or restarting: wait for it
+            await ex.seat.hold(tried)  # a replica loading or restarting: wait for it
             backend = ex.route.pick(tried, ex.affinity_key)
         if backend is None:
             if ex.last_failure is not None:  # every replica tried: answer with the last failure

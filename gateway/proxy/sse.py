@@ -25,7 +25,9 @@ def _events_end(data: bytes) -> int:
 class SseRelay:
     """Cuts the upstream byte stream at event boundaries and passes events through unchanged,
     except that it reads usage, drops the usage-only event a client did not ask for, and maps the
-    upstream's model name back to the served one."""
+    upstream's model name back to the served one. Each event is charged to the request's tenant
+    as one generated token as it passes (fair queuing: gateway/admission); the usage at the end
+    corrects the count."""
 
     __slots__ = ("done", "ex", "pending", "rename", "strip_usage")
 
@@ -50,6 +52,7 @@ class SseRelay:
         return self._process(data) if data else b""
 
     def _process(self, events: bytes) -> bytes:
+        self.ex.seat.generated(events.count(b"data:"))
         if b"data: [DONE]" in events or b"data:[DONE]" in events:
             self.done = True
         if b'"usage"' in events:

@@ -22,8 +22,8 @@ KEYS = (
     "pid",  # the replica's engine process; null without one, and on a model row
     "memory_bytes",  # what it holds now against the budget (a replica: as last measured)
     "memory_source",  # measured or estimated (no engine has reported one yet); null with no figure
-    "running",  # requests in flight, but for those held
-    "held",  # requests held while it loads or wakes; null on a replica row and external models
+    "running",  # requests in flight at its engines or upstreams
+    "queued",  # requests waiting in its line (gateway/admission): for a slot, or while it loads
     "completion_tokens_per_s",  # over the last minute; null on a replica row
     "idle_s",  # since its last request ended; null while it has requests, and on a replica row
     "ttl_left_s",  # before the idle TTL parks it; null unless on demand, awake and idle
@@ -65,22 +65,26 @@ def _model_rows(model: dict[str, Any]) -> list[Row]:
     name = _str(model["name"])
     if not model["local"]:
         row = _row("model", name, aliases=_aliases(model), state=_str(model["state"]))
-        row.update(residency="external", running=_int(model["in_flight"]))
+        row.update(
+            residency="external",
+            running=_int(model["in_flight"]),
+            queued=_int(model["queued_requests"]),
+        )
         row["completion_tokens_per_s"] = _number(model["completion_tokens_per_s"])
         return [row]
     replicas = [_replica_row(name, r) for r in model["replicas"]]
     uptimes = [r["uptime_s"] for r in replicas if r["uptime_s"] is not None]
-    held = _int(model["held_requests"])
-    running = _int(model["in_flight"]) - held  # the gateway counts held requests in flight
+    queued = _int(model["queued_requests"])
+    running = _int(model["in_flight"])
     row = _row("model", name, aliases=_aliases(model), state=_str(model["state"]))
     row.update(
         residency=_str(model["residency"]),
         memory_bytes=_int(model["resident_bytes"]),
         memory_source=_str(model["footprint"]["source"]),
         running=running,
-        held=held,
+        queued=queued,
         completion_tokens_per_s=_number(model["completion_tokens_per_s"]),
-        idle_s=None if running or held else _number(model["idle_s"]),
+        idle_s=None if running or queued else _number(model["idle_s"]),
         ttl_left_s=_optional(_number, model["ttl_left_s"]),
         uptime_s=max(uptimes, default=None),
         restarts=sum(r["restarts"] for r in replicas),

@@ -56,7 +56,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str], bool], ...] = (
     ("PID", _plain("pid"), True),
     ("MEMORY", _memory, True),
     ("RUN", _plain("running"), True),
-    ("HELD", _plain("held"), True),
+    ("QUEUED", _plain("queued"), True),
     ("TOK/S", _rate, True),
     ("IDLE", lambda row: duration(row["idle_s"]), True),
     ("PARKS IN", lambda row: duration(row["ttl_left_s"]), True),

@@ -1,16 +1,18 @@
 """The residency manager: loads on-demand models at their first request, parks them after
 ``idle_ttl_s`` without requests, and makes room within the memory budget (plan.py) when a model
-must load; requests wait for it in its hold line (hold.py), which also covers a model whose
-replicas are restarting after a crash. A failed model answers 503 ``model_failed`` until its
-``queue.failed_retry_s`` has passed (the Retry-After it sends), then the next request starts it
-again, once: the requests that come meanwhile are held as for any load.
+must load; requests wait for it in the model's line (gateway/admission, which asks ``supply``
+whether a replica is coming), which also covers a model whose replicas are restarting after a
+crash. A failed model answers 503 ``model_failed`` until its ``queue.failed_retry_s`` has passed
+(the Retry-After it sends), then the next request starts it again, once: the requests that come
+meanwhile wait as for any load.
 
 Every eviction (to make room, after the idle TTL, or an operator's park or unload) goes through
 ``evict``, which counts it and drives the engine pool (``put_to_sleep`` or ``deactivate``; loads
 ``activate``). The manager hears every replica transition from the pool (``on_transition``),
-which releases held requests, measures footprints and keeps the metrics in step. A fleet without
-local models has one too, managing no model: its hold hook returns at once, and a reload that adds
-local models finds it there.
+which refuses the waiting requests of a model that failed, measures footprints and keeps the
+metrics in step (a ready replica's slots reach the line through the router). A fleet without local
+models has one too, managing no model: nothing is ever coming for its requests, and a reload that
+adds local models finds it there.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from common.errors import RequestRefused
+from gateway.admission import AdmissionControl
+from gateway.admission.drain import UNMEASURED_RETRY_AFTER_S
+from gateway.admission.refusals import unavailable
 from gateway.backend import Backend
 from gateway.config import FleetConfig, MemoryBudget, ModelConfig
 from gateway.engines.pool import EnginePool
 from gateway.engines.process import CRASH_NOTICE_S, exits_soon, has_exited
 from gateway.engines.replica import Replica, ReplicaState
 from gateway.metrics import GatewayMetrics
-from gateway.proxy.failures import UpstreamFailure
 from gateway.residency.footprint import Footprint, estimate, machine_ram_bytes, measured_bytes
-from gateway.residency.hold import HoldLine, refusal
 from gateway.residency.plan import Eviction, Need, Resident, plan_room
 from gateway.router import ModelRoute, Router
 
@@ -53,11 +57,10 @@ TEMPLATES = "(engine templates)"  # what the engine templates hold, as a residen
 @dataclass
 class ModelResidency:
     config: ModelConfig
-    hold: HoldLine
     footprint: Footprint
     last_used: float = field(default_factory=time.monotonic)
-    # its load under way: None once it serves, else the refusal its held requests got
-    loading: asyncio.Task[UpstreamFailure | None] | None = None
+    # its load under way: None once it serves, else the refusal its waiting requests got
+    loading: asyncio.Task[RequestRefused | None] | None = None
     reserved: bool = False  # its load has room: counted awake until it is (or failed)
     unloads: int = 0  # operator unloads so far: a load that saw one did not fail
     retry_at: float = 0.0  # when its last replica failure allows a request to try it again
@@ -70,10 +73,12 @@ class ResidencyManager:
         router: Router,
         metrics: GatewayMetrics,
         config: FleetConfig,
+        admission: AdmissionControl,
     ) -> None:
         self.pool = pool
         self.router = router
         self.metrics = metrics
+        self.admission = admission  # the models' lines, where their requests wait
         self.models: dict[str, ModelResidency] = {}
         self.budget_bytes = 0
         self.budget_gpu = 0.0
@@ -93,11 +98,11 @@ class ResidencyManager:
                 continue
             current = self.models.get(model.name)
             if current is None:
-                current = ModelResidency(model, self._hold_line(model), estimate(model))
-            elif current.config != model:
-                current.hold.settings = model.queue
-                if not current.footprint.measured or current.config.source != model.source:
-                    current.footprint = estimate(model)
+                current = ModelResidency(model, estimate(model))
+            elif current.config != model and (
+                not current.footprint.measured or current.config.source != model.source
+            ):
+                current.footprint = estimate(model)
             current.config = model
             models[model.name] = current
             self.metrics.declare_residency(model.name)
@@ -108,10 +113,6 @@ class ResidencyManager:
         self.budget_gpu = memory.gpu_fraction
         self.park_evicted = memory.park
         self.metrics.memory_budget.set(self.budget_bytes)
-
-    def _hold_line(self, model: ModelConfig) -> HoldLine:
-        wait = self.metrics.child(self.metrics.hold_wait, model.name)
-        return HoldLine(model.name, model.queue, wait.observe)
 
     def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep())
@@ -140,67 +141,61 @@ class ResidencyManager:
         if res is not None:
             res.last_used = time.monotonic()
 
-    async def wait_for_backend(self, route: ModelRoute, tried: Collection[Backend]) -> None:
-        """The proxy's hook when no backend of ``route`` is available besides ``tried``: holds the
-        request while a replica is on its way (loading, waking, restarting), starting the load
-        when none is. Returns at once when live replicas are up but unavailable or tried (their
-        health and answers decide) or the model is not local; raises a 503 refusal when the
-        model failed, its line is full or the wait ran out."""
+    async def supply(self, route: ModelRoute, tried: Collection[Backend]) -> bool:
+        """The lines' question when no backend of ``route`` is available besides ``tried``:
+        whether a replica is on its way (loading, waking, restarting), starting the load when
+        none is; the request then waits in the model's line. False when live replicas are up but
+        unavailable or tried (their health and answers decide) or the model is not local; raises
+        the 503 of a failed model."""
         res = self.models.get(route.name)
         if res is None:
-            return
+            return False
         if await self._replicas_up(route.name, tried):
-            return
+            return False
         states = self.pool.states(route.name)
         trying = res.loading is not None and not res.loading.done()
         if self.model_state(route.name) == "failed" and not trying:
             if time.monotonic() < res.retry_at:
-                self._refused(route.name, "model_failed")
                 raise self._failed(res)
             log.info("model %s failed, and its Retry-After has passed: trying again", route.name)
         if not any(s in COMING for s in states):
             self.ensure_loaded(route.name)
-        depth = self.metrics.child(self.metrics.hold_depth, route.name)
-        depth.inc()
-        try:
-            await res.hold.wait()
-        except UpstreamFailure as failure:
-            self._refused(route.name, failure.reason)
-            raise
-        finally:
-            depth.dec()
+        return True
 
     async def _replicas_up(self, name: str, tried: Collection[Backend]) -> bool:
         """Whether READY replicas are alive (the request's answer is theirs to give). Replicas
         the request already failed on get ``CRASH_NOTICE_S`` to show they died: a connection
-        reset comes a moment before the supervisor hears of the exit."""
+        reset comes a moment before the supervisor hears of the exit. One that did die is given
+        as long to leave the router (its supervisor hears of the exit at once): until then its
+        slots would look free to the requests waiting in the line for the next replica."""
         deadline = time.monotonic() + CRASH_NOTICE_S
         while True:
             ready = [r for r in self.pool.replicas.get(name, []) if r.state is S.READY]
-            if not ready or any(has_exited(r.proc) for r in ready):
+            if not ready:
                 return False
-            if any(r.backend not in tried for r in ready) or time.monotonic() >= deadline:
+            dead = any(has_exited(r.proc) for r in ready)
+            if not dead and any(r.backend not in tried for r in ready):
                 return True
+            if time.monotonic() >= deadline:
+                return not dead
             await asyncio.sleep(0.02)
 
-    def _refused(self, name: str, reason: str) -> None:
-        self.metrics.child(self.metrics.hold_refused, name, reason).inc()
-
-    def _failed(self, res: ModelResidency) -> UpstreamFailure:
+    def _failed(self, res: ModelResidency) -> RequestRefused:
         """The refusal of a failed model: its Retry-After is when a request may try it again."""
         wait_s = res.retry_at - time.monotonic()
-        return refusal(
+        return unavailable(
             "model_failed",
             f"Model '{res.config.name}' failed to start; a request after Retry-After tries it "
             "again, and an operator can see why in /admin/models.",
-            retry_after_s=max(1, math.ceil(wait_s)),
+            max(1, math.ceil(wait_s)),
         )
 
-    def _unloaded(self, name: str) -> UpstreamFailure:
-        return refusal(
+    def _unloaded(self, name: str) -> RequestRefused:
+        return unavailable(
             "model_unloaded",
             f"Model '{name}' was unloaded by an operator while this request waited for it; a "
             "new request loads it again.",
+            UNMEASURED_RETRY_AFTER_S,
         )
 
     async def engine_crashed(self, backend: Backend) -> bool:
@@ -220,11 +215,13 @@ class ResidencyManager:
         """Starts loading (or waking) ``name`` in the background unless that is under way."""
         res = self.models[name]
         if res.loading is None or res.loading.done():
-            res.loading = asyncio.create_task(self._load(name, lambda: len(res.hold) > 0))
+            res.loading = asyncio.create_task(
+                self._load(name, lambda: self.admission.waiting(name) > 0)
+            )
 
     async def load(self, name: str) -> None:
         """Loads ``name`` for an operator and waits (for room, up to its queue's max_wait_s);
-        raises the refusal held requests got when it does not serve."""
+        raises the refusal waiting requests got when it does not serve."""
         res = self.models[name]
         if res.loading is None or res.loading.done():
             deadline = time.monotonic() + res.config.queue.max_wait_s
@@ -233,7 +230,7 @@ class ResidencyManager:
         if refused is not None:
             raise refused
 
-    async def _load(self, name: str, wanted: Callable[[], bool]) -> UpstreamFailure | None:
+    async def _load(self, name: str, wanted: Callable[[], bool]) -> RequestRefused | None:
         res = self.models[name]
         unloads = res.unloads
         try:
@@ -246,12 +243,12 @@ class ResidencyManager:
             return None
         if res.unloads != unloads:
             # An unload came first (the pool then starts nothing): nothing failed. It answered
-            # the requests it found held; those that came since are a new load's.
-            if len(res.hold):
+            # the requests it found waiting; those that came since are a new load's.
+            if self.admission.waiting(name):
                 asyncio.get_running_loop().call_soon(self._load_again, name)
             return self._unloaded(name)
         if room and not any(s in COMING for s in self.pool.states(name)):
-            res.hold.refuse(lambda: self._failed(res))
+            self.admission.refuse(name, lambda: self._failed(res))
         return self._failed(res)
 
     def _load_again(self, name: str) -> None:
@@ -329,7 +326,7 @@ class ResidencyManager:
         return (
             res.config.on_demand
             and (route is None or route.inflight == 0)
-            and len(res.hold) == 0
+            and self.admission.waiting(name) == 0
             and (res.loading is None or res.loading.done())
             and all(s in (S.READY, S.PARKED) for s in states)
         )
@@ -347,11 +344,11 @@ class ResidencyManager:
             await self.pool.deactivate(eviction.name)
 
     async def unload(self, name: str) -> None:
-        """Stops ``name``. The requests held for it are answered 503 ``model_unloaded``, and a
-        load it interrupts is no failure (``_load``); a later request loads it again."""
+        """Stops ``name``. The requests waiting for it are answered 503 ``model_unloaded``, and
+        a load it interrupts is no failure (``_load``); a later request loads it again."""
         res = self.models[name]
         res.unloads += 1
-        res.hold.refuse(lambda: self._unloaded(name))
+        self.admission.refuse(name, lambda: self._unloaded(name))
         await self.evict(Eviction(name, "stop"), "operator")
 
     # ---- idle TTL ----
@@ -387,14 +384,13 @@ class ResidencyManager:
             return
         new = replica.state
         if new is S.READY:
-            res.hold.release()
             self._spawn(self._measure(replica, awake=True))
         elif new is S.PARKED:
             self._spawn(self._measure(replica, awake=False))
         elif new is S.FAILED:
             res.retry_at = time.monotonic() + res.config.queue.failed_retry_s
             if not any(s in COMING for s in self.pool.states(replica.model)):
-                res.hold.refuse(lambda: self._failed(res))
+                self.admission.refuse(replica.model, lambda: self._failed(res))
         self._report_memory()
 
     async def _measure(self, replica: Replica, awake: bool) -> None:
@@ -446,7 +442,6 @@ class ResidencyManager:
             "ttl_left_s": self._ttl_left_s(name, idle_s),
             "priority": res.config.priority,
             "idle_s": round(idle_s, 3),
-            "held_requests": len(res.hold),
             "resident_bytes": resident.held_bytes if resident else 0,
             "footprint": res.footprint.describe(),
             "replicas": [_replica_info(r) for r in self.pool.replicas.get(name, [])],

@@ -183,7 +183,7 @@ class Fleet:
             "state": entry.get("state"),
             "pid": next((r.get("pid") for r in replicas if r.get("pid")), None),
             "restarts": sum(r.get("restarts", 0) for r in replicas),
-            "held": entry.get("held_requests"),
+            "held": entry.get("queued_requests"),
         }
 
     def wait_settled(self, name: str, timeout: float) -> dict[str, Any]:

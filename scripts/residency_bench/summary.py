@@ -117,10 +117,14 @@ def grouped(before: Samples, after: Samples, name: str, by: tuple[str, ...]) -> 
 
 def swaps(before: Samples, after: Samples) -> dict[str, Any]:
     """What the gateway did between two scrapes: evictions by action and reason (and per model),
-    engine loads by kind (cold start, wake) with their summed seconds, and held requests."""
+    engine loads by kind (cold start, wake) with their summed seconds, and held requests: those
+    that waited in their model's line (for a load, or for a free slot), not admitted at once."""
     evictions = grouped(before, after, "modelyard_model_evictions_total", ("action",))
     loads = grouped(before, after, "modelyard_model_load_seconds_count", ("kind",))
     load_s = grouped(before, after, "modelyard_model_load_seconds_sum", ("kind",))
+    waits = sum(grouped(before, after, "modelyard_admission_wait_seconds_count", ()).values())
+    buckets = grouped(before, after, "modelyard_admission_wait_seconds_bucket", ("le",))
+    at_once = buckets.get("0.0", 0.0)  # the histogram's first bucket: no wait at all
     return {
         "evictions": int(sum(evictions.values())),
         "evictions_by_action": {k: int(v) for k, v in evictions.items()},
@@ -135,11 +139,9 @@ def swaps(before: Samples, after: Samples) -> dict[str, Any]:
         "load_seconds_by_model_kind": grouped(
             before, after, "modelyard_model_load_seconds_sum", ("model", "kind")
         ),
-        "held_requests": int(
-            sum(grouped(before, after, "modelyard_hold_queue_wait_seconds_count", ()).values())
-        ),
+        "held_requests": int(waits - at_once),
         "held_seconds_sum": round(
-            sum(grouped(before, after, "modelyard_hold_queue_wait_seconds_sum", ()).values()), 3
+            sum(grouped(before, after, "modelyard_admission_wait_seconds_sum", ()).values()), 3
         ),
     }
 

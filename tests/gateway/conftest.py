@@ -16,9 +16,13 @@ import yaml
 from aiohttp import web
 
 from common.net import free_port
+from gateway.admission import Seat
+from gateway.admission.control import ANONYMOUS
+from gateway.admission.line import ModelLine, nothing_coming
 from gateway.app import Gateway, create_app
 from gateway.config import load_config, parse_config
 from gateway.engines import pool as gateway_pool
+from gateway.metrics import GatewayMetrics
 from gateway.router import ModelRoute, Router
 from gateway.server import GatewayRunner
 from scripts.mock_upstream import MockUpstream
@@ -91,6 +95,11 @@ def model_route(**model: Any) -> ModelRoute:
     route = router.resolve("m")
     assert route is not None
     return route
+
+
+def seat(route: ModelRoute) -> Seat:
+    """A seat in a line of ``route``'s own, for an Exchange built by hand."""
+    return Seat(ModelLine(route, GatewayMetrics(), nothing_coming), ANONYMOUS, 0)
 
 
 class RunningGateway:

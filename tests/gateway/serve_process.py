@@ -95,6 +95,17 @@ class ServeProcess:
 
         self._wait_until(ready, timeout, 0.1, "ready")
 
+    def wait_available(self, backends: int, timeout: float) -> None:
+        """Until ``backends`` backends take traffic, whoever started their engines (the gateway
+        or its engine template)."""
+
+        def available() -> bool:
+            status, state = http_get(self.url + "/admin/backends", token=self.admin_key)
+            found = sum(b["available"] for m in state["models"] for b in m["backends"])
+            return status == 200 and found >= backends
+
+        self._wait_until(available, timeout, 0.1, "ready")
+
     def _wait_until(
         self, done: Callable[[], bool], timeout: float, interval: float, what: str
     ) -> None:

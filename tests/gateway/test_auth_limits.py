@@ -1,4 +1,5 @@
-"""Auth matrix, admin endpoints, rate limits (accuracy and headers), concurrency caps."""
+"""Auth matrix, admin endpoints, rate limits (accuracy and headers), the model-wide concurrency
+cap."""
 
 from __future__ import annotations
 
@@ -190,13 +191,21 @@ async def test_tpm_limit_uses_upstream_usage(start_gateway, fresh_upstreams):
     assert gw.gateway.metrics.prompt_tokens.labels("m1")._value.get() == accepted
 
 
-async def test_max_concurrency(start_gateway, fresh_upstreams):
-    doc = fleet([fresh_upstreams[0].url])
+async def test_max_concurrency_caps_the_models_slots_and_the_rest_wait(
+    start_gateway, fresh_upstreams
+):
+    """``limits.max_concurrency`` is the model's admission cap over all its backends (each would
+    take 256 here): the requests beyond it wait in the model's line instead of a 429."""
+    doc = fleet([mock.url for mock in fresh_upstreams])
     doc["models"][0]["limits"] = {"max_concurrency": 3}
     gw = await start_gateway(doc)
+    started = time.monotonic()
     resps = await asyncio.gather(*(gw.chat(mock={"delay_ms": 300}) for _ in range(6)))
-    statuses = sorted(r.status for r in resps)
-    assert statuses == [200, 200, 200, 429, 429, 429]
-    limited = next(r for r in resps if r.status == 429)
-    assert limited.headers["Retry-After"] == "1"
-    assert gw.gateway.metrics.rate_limited.labels("m1", "concurrency")._value.get() == 3
+    took = time.monotonic() - started
+    assert [r.status for r in resps] == [200] * 6
+    assert 0.6 <= took < 1.5  # two rounds of three, not one of six
+    registry = gw.gateway.metrics.registry
+    labels = {"model": "m1", "key": "_anonymous"}
+    assert registry.get_sample_value("modelyard_admission_wait_seconds_count", labels) == 6
+    waited = registry.get_sample_value("modelyard_admission_wait_seconds_sum", labels)
+    assert 3 * 0.25 < waited < 3 * 0.6  # three waited for one round

@@ -198,7 +198,7 @@ async def test_a_failed_model_is_tried_again_once_per_retry_after(pooled, tmp_pa
         answers = await asyncio.gather(*(request(session, url, "od") for _ in range(4)))
         assert [status for status, _, _ in answers] == [200] * 4
         assert len(spawns) == 3 and states(gateway, "od") == [S.READY]
-    assert sample(gateway, "modelyard_hold_queue_refused_total", model="od",
+    assert sample(gateway, "modelyard_admission_refused_total", model="od",
                   reason="model_failed") == 6  # fmt: skip
 
 

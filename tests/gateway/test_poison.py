@@ -19,7 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import quarantine as quarantine_module
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.quarantine import Quarantine, Signatures
-from tests.gateway.conftest import model_route
+from tests.gateway.conftest import model_route, seat
 from tests.gateway.test_residency import fleet, sample, states
 from tests.gateway.test_resilience import sse_events, wait_for
 
@@ -116,7 +116,8 @@ async def test_a_crash_mid_stream_ends_the_stream_then_blames_the_request(single
 
 
 def exchange(body: bytes) -> Exchange:
-    return Exchange("rid", "/v1/completions", body, False, False, model_route(), NO_LIMITS)
+    route = model_route()
+    return Exchange("rid", "/v1/completions", body, False, False, route, NO_LIMITS, seat(route))
 
 
 async def test_suspects_run_one_at_a_time_and_the_second_crash_blames_the_one_running():

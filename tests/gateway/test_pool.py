@@ -162,7 +162,7 @@ async def test_spawn_route_restart_and_stop(pooled, tmp_path):
     async with aiohttp.ClientSession() as session:
         # still loading: the request is held until a replica is ready, not refused
         assert await chat(session, url) == 200
-        assert gateway.metrics.hold_wait.labels("local")._sum.get() > 0
+        assert gateway.metrics.admission_wait.labels("local", "_anonymous")._sum.get() > 0
         await wait_for(lambda: len(route.backends) == 2, timeout=15)
         assert await chat(session, url) == 200
         ready = await (await session.get(url + "/ready")).json()

@@ -66,7 +66,7 @@ def post(url: str, model: str, timeout: float = 30, **mock: Any) -> None:
 
 
 def in_background(url: str, model: str, **mock: Any) -> None:
-    """A request left running (or held) while the test looks; it ends with the gateway at the
+    """A request left running (or queued) while the test looks; it ends with the gateway at the
     latest."""
 
     def send() -> None:
@@ -159,11 +159,13 @@ def seconds(cell: str) -> int:
 
 
 def busy(fleet: Fleet) -> None:
-    """A chat request running (4 s) and a slow request held while slow loads (8 s)."""
+    """A chat request running (4 s) and a slow request queued while slow loads (8 s)."""
     in_background(fleet.url, "chat", delay_ms=4000)
     in_background(fleet.url, "slow")
     fleet.gateway._wait_until(
-        lambda: fleet.model("chat")["in_flight"] == 1 and fleet.model("slow")["held_requests"] == 1,
+        lambda: (
+            fleet.model("chat")["in_flight"] == 1 and fleet.model("slow")["queued_requests"] == 1
+        ),
         10,
         0.05,
         "busy",
@@ -189,7 +191,7 @@ def test_table_shows_what_the_admin_api_says(fleet: Fleet):
     chat = models["chat"]
     assert by_name["chat"] | {"UP": ""} == {
         "NAME": "chat", "ALIASES": "default,c", "STATE": "ready", "RESIDENCY": "pinned",
-        "PID": "-", "MEMORY": "600 MiB", "RUN": "1", "HELD": "0",
+        "PID": "-", "MEMORY": "600 MiB", "RUN": "1", "QUEUED": "0",
         "TOK/S": f"{CHAT_TOKENS / 60:.1f}", "IDLE": "-", "PARKS IN": "-", "UP": "", "RESTARTS": "0",
     }  # fmt: skip
     assert chat["resident_bytes"] == 600 * MiB and chat["footprint"]["source"] == "measured"
@@ -202,7 +204,7 @@ def test_table_shows_what_the_admin_api_says(fleet: Fleet):
             "300 MiB",
         )
         assert row["RUN"] == str(replica["in_flight"])
-        assert (row["ALIASES"], row["HELD"], row["TOK/S"], row["IDLE"]) == ("-", "-", "-", "-")
+        assert (row["ALIASES"], row["QUEUED"], row["TOK/S"], row["IDLE"]) == ("-", "-", "-", "-")
         assert 0 < seconds(row["UP"]) <= replica["uptime_s"] < seconds(row["UP"]) + 3
     assert sorted(r["in_flight"] for r in chat["replicas"]) == [0, 1]
     assert seconds(by_name["chat"]["UP"]) == max(
@@ -217,7 +219,7 @@ def test_table_shows_what_the_admin_api_says(fleet: Fleet):
     assert od["ttl_left_s"] <= ttl_left + 1 and ttl_left < od["ttl_left_s"] + 3
     assert od["ttl_left_s"] == pytest.approx(120 - od["idle_s"], abs=0.01)
     slow = models["slow"]
-    assert [by_name["slow"][c] for c in ("STATE", "RUN", "HELD", "IDLE")] == [
+    assert [by_name["slow"][c] for c in ("STATE", "RUN", "QUEUED", "IDLE")] == [
         "starting",
         "0",
         "1",
@@ -231,7 +233,7 @@ def test_table_shows_what_the_admin_api_says(fleet: Fleet):
     )  # fmt: skip
     assert by_name["ext"] | {"TOK/S": ""} == {
         "NAME": "ext", "ALIASES": "-", "STATE": "ready", "RESIDENCY": "external", "PID": "-",
-        "MEMORY": "-", "RUN": "0", "HELD": "-", "TOK/S": "", "IDLE": "-", "PARKS IN": "-",
+        "MEMORY": "-", "RUN": "0", "QUEUED": "0", "TOK/S": "", "IDLE": "-", "PARKS IN": "-",
         "UP": "-", "RESTARTS": "-",
     }  # fmt: skip
     assert ADMIN not in result.stdout + result.stderr
@@ -247,8 +249,7 @@ def expected_rows(listing: dict[str, Any]) -> list[tuple]:
         source = m["footprint"]["source"] if m["local"] else None
         expected.append((
             "model", m["name"], None, m["aliases"], m["state"], m.get("residency", "external"),
-            None, m.get("resident_bytes"), source, m["in_flight"] - m.get("held_requests", 0),
-            m.get("held_requests"),
+            None, m.get("resident_bytes"), source, m["in_flight"], m["queued_requests"],
             m["completion_tokens_per_s"], restarts,
         ))  # fmt: skip
         expected += [
@@ -270,15 +271,16 @@ def test_json_rows_follow_the_schema(fleet: Fleet):
         "kind": str, "model": str, "replica": (int, type(None)), "aliases": list, "state": str,
         "residency": (str, type(None)), "pid": (int, type(None)),
         "memory_bytes": (int, type(None)), "memory_source": (str, type(None)), "running": int,
-        "held": (int, type(None)), "completion_tokens_per_s": (float, type(None)),
+        "queued": (int, type(None)), "completion_tokens_per_s": (float, type(None)),
         "idle_s": (float, type(None)), "ttl_left_s": (float, type(None)),
         "uptime_s": (float, type(None)), "restarts": (int, type(None)),
     }  # fmt: skip
     for row in rows:
         for key, kind in types.items():
             assert isinstance(row[key], kind), (key, row)
-    fixed = ("kind", "model", "replica", "aliases", "state", "residency", "pid", "memory_bytes",
-             "memory_source", "running", "held", "completion_tokens_per_s", "restarts")  # fmt: skip
+    fixed = ("kind", "model", "replica", "aliases", "state", "residency", "pid",
+             "memory_bytes", "memory_source", "running", "queued", "completion_tokens_per_s",
+             "restarts")  # fmt: skip
     got = [tuple(row[key] for key in fixed) for row in rows]
     assert got in (expected_rows(before), expected_rows(after))
     chat = rows[0]
@@ -286,8 +288,8 @@ def test_json_rows_follow_the_schema(fleet: Fleet):
     assert chat["completion_tokens_per_s"] == pytest.approx(CHAT_TOKENS / 60, abs=1e-3)
     assert all(r["uptime_s"] > 0 for r in rows if r["kind"] == "replica" and r["pid"])
     ext = rows[-1]
-    assert (ext["model"], ext["residency"], ext["memory_bytes"], ext["held"]) == (
-        "ext", "external", None, None,
+    assert (ext["model"], ext["residency"], ext["memory_bytes"], ext["queued"]) == (
+        "ext", "external", None, 0,
     )  # fmt: skip
 
 
@@ -421,7 +423,7 @@ def test_a_model_row_sums_its_replicas_restarts_and_shows_the_longest_uptime():
 
     model = {
         "name": "m", "aliases": [], "local": True, "state": "ready", "residency": "pinned",
-        "in_flight": 2, "held_requests": 0, "resident_bytes": 0, "completion_tokens_per_s": 0.0,
+        "in_flight": 2, "queued_requests": 0, "resident_bytes": 0, "completion_tokens_per_s": 0.0,
         "idle_s": 5.0, "ttl_left_s": None, "footprint": {"source": "estimated"},
         "replicas": [replica(0, 2, 30.0), replica(1, 1, 95.5), replica(2, 4, None)],
     }  # fmt: skip

@@ -24,6 +24,7 @@ from tests.gateway.test_resilience import wait_for
 
 S = ReplicaState
 MiB = 2**20
+ANON = "_anonymous"  # open mode's one tenant
 
 
 def fleet(tmp_path: Path, models: list[dict], memory: dict | None = None) -> dict:
@@ -147,7 +148,7 @@ async def test_held_requests_are_bounded_in_count_and_time(pooled, tmp_path):
     gateway, url, _ = await pooled(fleet(tmp_path, [slow]))
     async with aiohttp.ClientSession() as session:
         held = [asyncio.create_task(request(session, url, "slow")) for _ in range(2)]
-        await wait_for(lambda: len(gateway.residency.models["slow"].hold) == 2, timeout=5)
+        await wait_for(lambda: gateway.admission.waiting("slow") == 2, timeout=5)
         status, answer, took = await request(session, url, "slow")
         assert status == 503 and took < 0.5
         assert answer["body"]["error"]["code"] == "hold_queue_full"
@@ -157,9 +158,9 @@ async def test_held_requests_are_bounded_in_count_and_time(pooled, tmp_path):
             assert answer["body"]["error"]["code"] == "model_loading_timeout"
             assert set(answer["body"]["error"]) == {"message", "type", "param", "code"}
             assert answer["headers"]["Retry-After"] == "5"
-        assert sample(gateway, "modelyard_hold_queue_refused_total", model="slow",
+        assert sample(gateway, "modelyard_admission_refused_total", model="slow",
                       reason="hold_queue_full") == 1  # fmt: skip
-        assert sample(gateway, "modelyard_hold_queue_refused_total", model="slow",
+        assert sample(gateway, "modelyard_admission_refused_total", model="slow",
                       reason="model_loading_timeout") == 2  # fmt: skip
         await wait_for(lambda: states(gateway, "slow") == [S.READY], timeout=10)
         assert (await request(session, url, "slow"))[0] == 200
@@ -168,13 +169,11 @@ async def test_held_requests_are_bounded_in_count_and_time(pooled, tmp_path):
 async def test_a_disconnecting_held_client_leaves_no_trace(pooled, tmp_path):
     doc = fleet(tmp_path, [on_demand("od", "--ready-delay-s", "1.5")])
     gateway, url, _ = await pooled(doc)
-    hold = None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.4)) as impatient:
         with pytest.raises(TimeoutError):
             await request(impatient, url, "od")
-    hold = gateway.residency.models["od"].hold
-    await wait_for(lambda: len(hold) == 0, timeout=2)
-    assert sample(gateway, "modelyard_hold_queue_depth", model="od") == 0
+    await wait_for(lambda: gateway.admission.waiting("od") == 0, timeout=2)
+    assert sample(gateway, "modelyard_admission_queue_depth", model="od", band="0") == 0
     await wait_for(lambda: states(gateway, "od") == [S.READY], timeout=10)
     upstream = gateway.pool.replicas["od"][0].url
     async with aiohttp.ClientSession() as session:
@@ -205,7 +204,8 @@ async def test_kill_9_of_the_only_replica_under_load_holds_requests_until_it_is_
         await asyncio.gather(*tasks)
     assert replica.proc.pid != old and replica.restarts == 1
     assert len(statuses) > 10 and set(statuses) == {200}
-    assert sample(gateway, "modelyard_hold_queue_wait_seconds_count", model="m") > 0
+    # requests waited in the line while it restarted (a backoff and a 0.5 s start)
+    assert sample(gateway, "modelyard_admission_wait_seconds_sum", model="m", key=ANON) > 0.3
 
 
 async def test_a_model_that_cannot_start_is_failed_with_its_log(pooled, tmp_path):
@@ -294,7 +294,8 @@ async def test_a_held_stream_gets_its_headers_when_the_engine_answers(pooled, tm
             text = (await resp.read()).decode()
     assert headers_after >= 0.8  # not a 200 sent early and an error event later
     assert text.rstrip().endswith("data: [DONE]")
-    assert sample(gateway, "modelyard_hold_queue_wait_seconds_count", model="od") == 1
+    assert sample(gateway, "modelyard_admission_wait_seconds_count", model="od", key=ANON) == 1
+    assert sample(gateway, "modelyard_admission_wait_seconds_sum", model="od", key=ANON) >= 0.8
 
 
 def within_budget(gateway) -> bool:
@@ -405,7 +406,7 @@ async def test_an_unload_that_interrupts_a_load_is_no_failure(pooled, tmp_path, 
         assert (await meanwhile)[0] == 200
         assert states(gateway, "od") == [S.READY]
     refused = {
-        reason: sample(gateway, "modelyard_hold_queue_refused_total", model="od", reason=reason)
+        reason: sample(gateway, "modelyard_admission_refused_total", model="od", reason=reason)
         for reason in ("model_unloaded", "model_failed")
     }
     assert refused == {"model_unloaded": 1, "model_failed": 0}

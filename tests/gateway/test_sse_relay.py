@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gateway.limits import NO_LIMITS
 from gateway.proxy import Exchange
 from gateway.proxy.sse import SseRelay
-from tests.gateway.conftest import model_route
+from tests.gateway.conftest import model_route, seat
 
 
 def _event(obj) -> bytes:
@@ -33,14 +33,16 @@ STREAM = b"".join(CHUNKS) + USAGE + b"data: [DONE]\n\n"
 
 
 def _relay(strip: bool, rename=None):
+    route = model_route()
     ex = Exchange(
         request_id="r",
         path="/v1/chat/completions",
         body=b"",
         stream=True,
         strip_usage=strip,
-        route=model_route(),
+        route=route,
         grant=NO_LIMITS,
+        seat=seat(route),
     )
     return ex, SseRelay(ex, strip, rename)
 

@@ -1,5 +1,5 @@
-"""Residency: ``gateway.memory`` and each model's ``residency``, ``idle_ttl_s``, ``priority``,
-``memory_estimate`` and ``queue`` — a test per rule."""
+"""Residency: ``gateway.memory`` and each model's ``residency``, ``idle_ttl_s``, ``priority`` and
+``memory_estimate`` — a test per rule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import HoldQueue, MemoryBudget
+from gateway.config import MemoryBudget
 from tests.gateway.config.documents import EXTERNAL, document, gateway_doc, parsed, problems_of
 
 
@@ -28,7 +28,7 @@ def test_absent_settings_are_the_defaults(base):
     assert (model.residency, model.on_demand, model.idle_ttl_s, model.priority) == (
         "pinned", False, 600.0, 0,
     )  # fmt: skip
-    assert model.queue == HoldQueue() and model.memory_estimate is None
+    assert model.memory_estimate is None
 
 
 def test_given_values_are_read(base):
@@ -39,7 +39,6 @@ def test_given_values_are_read(base):
                 idle_ttl_s=30,
                 priority=5,
                 memory_estimate="1GiB",
-                queue={"max_requests": 3, "max_wait_s": 2.5, "failed_retry_s": 1.5},
             )
         ],
         gateway={"memory": {"cpu_bytes": "8GiB", "gpu_fraction": 0.5, "park": False}},
@@ -49,7 +48,6 @@ def test_given_values_are_read(base):
     model = config.models[0]
     assert model.on_demand and (model.idle_ttl_s, model.priority) == (30.0, 5)
     assert model.memory_estimate == 2**30
-    assert model.queue == HoldQueue(max_requests=3, max_wait_s=2.5, failed_retry_s=1.5)
 
 
 def test_cpu_budget_auto_means_a_share_of_ram():
@@ -91,20 +89,6 @@ def test_ttl_and_priority_need_on_demand(base, key):
 def test_memory_estimate_is_local_only():
     (found,) = problems_of(document([{**EXTERNAL, "memory_estimate": "1GiB"}]))
     assert "memory_estimate: only applies to local models" in found
-
-
-@pytest.mark.parametrize(
-    ("queue", "problem"),
-    [
-        ({"max_requests": -1}, "queue.max_requests: must be >= 0"),
-        ({"max_wait_s": 0}, "queue.max_wait_s: must be > 0"),
-        ({"failed_retry_s": 0}, "queue.failed_retry_s: must be > 0"),
-        ({"depth": 3}, "queue.depth: unknown key"),
-    ],
-)
-def test_queue_values_are_checked(base, queue, problem):
-    (found,) = problems_of(document([local(queue=queue)]), base)
-    assert problem in found
 
 
 def test_pinned_gpu_models_must_fit_together_on_demand_ones_each_alone(base):
