@@ -33,11 +33,11 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from common.cache_dir import cache_root
 from engine import startup
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.file_hash import file_sha256
-from engine.model.cache_dir import cache_root
 from engine.model.cpu.gguf_weights import GgufWeights
 from engine.model.cpu.linear import native_bf16
 from engine.model.cpu.narrow_weights import check_quantization, narrow_mode
