@@ -306,9 +306,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
             if dtype != torch.float32:
                 model.to(dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                source, local_files_only=True, dtype=dtype, config=hf_config
-            )
+            with startup.phase("weights"):
+                model = AutoModelForCausalLM.from_pretrained(
+                    source, local_files_only=True, dtype=dtype, config=hf_config
+                )
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load the model in {str(source)!r}: {exc}") from exc
     if device.type != "cpu":  # on the CPU already, weights the narrow path takes still on meta
