@@ -1,13 +1,15 @@
 """The ``gateway`` section: listen address, timeouts, health checks, ejection, retries, limits on
-clients and bodies, the switches (access log, config watch, engine template), and API keys.
-Defaults come from the dataclasses in schema.py."""
+clients and bodies, the switches (access log, config watch, engine template), the engines' log
+files, and API keys. Defaults come from the dataclasses in schema.py."""
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import replace
+from pathlib import Path
 
 from common.http_server import ClientLimits
+from gateway.config.engine_logs import read_engine_logs
 from gateway.config.reader import ConfigError, Reader
 from gateway.config.residency import read_memory
 from gateway.config.schema import (
@@ -23,7 +25,8 @@ from gateway.config.schema import (
 from gateway.config.shared_state import read_state
 
 
-def read_gateway(r: Reader) -> GatewaySettings:
+def read_gateway(r: Reader, base_dir: Path) -> GatewaySettings:
+    """``base_dir``: the file's folder, which relative paths start from."""
     d = GatewaySettings()
     host, port = _read_listen(r, d)
     settings = GatewaySettings(
@@ -39,6 +42,7 @@ def read_gateway(r: Reader) -> GatewaySettings:
         access_log=r.boolean("access_log", d.access_log),
         watch_config=r.boolean("watch_config", d.watch_config),
         engine_template=r.boolean("engine_template", d.engine_template),
+        engine_logs=read_engine_logs(r.section("engine_logs"), base_dir),
         auth=_read_auth(r.section("auth")),
         memory=read_memory(r.section("memory")),
         state=read_state(r),

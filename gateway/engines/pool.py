@@ -42,6 +42,7 @@ from collections.abc import Callable
 from common.net import free_port
 from gateway.backend import Backend
 from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig
+from gateway.engines.logs import EngineLogs
 from gateway.engines.process import (
     ENGINE_LAUNCHER,
     EngineClient,
@@ -56,7 +57,7 @@ from gateway.engines.process import (
     spec_of,
 )
 from gateway.engines.replica import LEAVING, Replica, ReplicaListener, ReplicaState
-from gateway.engines.template import EngineTemplates
+from gateway.engines.template import EngineTemplates, ForkedEngine
 
 log = logging.getLogger("modelyard.pool")
 
@@ -80,6 +81,7 @@ class EnginePool:
         self,
         publish: Callable[[str, list[str]], None],
         find_backend: Callable[[str, str], Backend | None],
+        logs: EngineLogs,
         *,
         launcher: tuple[str, ...] = ENGINE_LAUNCHER,
         startup_timeout_s: float = 900.0,
@@ -90,6 +92,7 @@ class EnginePool:
     ) -> None:
         self.publish = publish  # (model, ready URLs) → router
         self.find_backend = find_backend  # (model, url) → its router Backend, for draining
+        self.logs = logs  # each replica's output file
         self.launcher = launcher
         self.startup_timeout_s = startup_timeout_s
         self.drain_timeout_s = drain_timeout_s
@@ -100,7 +103,8 @@ class EnginePool:
         self.models: dict[str, ModelConfig] = {}
         self.active: set[str] = set()  # models whose replicas should serve
         self.client = EngineClient()
-        self.templates = EngineTemplates(cwd)  # forks `python -m engine` (ENGINE_LAUNCHER) only
+        # forks `python -m engine` (ENGINE_LAUNCHER) only
+        self.templates = EngineTemplates(cwd, logs)
         self._apply_lock = asyncio.Lock()
         self._model_locks: dict[str, asyncio.Lock] = {}
         self._rollouts: set[asyncio.Task[None]] = set()
@@ -284,6 +288,7 @@ class EnginePool:
         taken = {r.index for r in self.replicas[model.name]}
         index = next(i for i in range(len(taken) + 1) if i not in taken)  # bounded metric label
         replica = Replica(model.name, spec, model, self._transition, index=index)
+        replica.log = self.logs.replica(model.name, index)
         self.replicas[model.name].append(replica)
         replica.supervisor = asyncio.create_task(self._supervise(replica))
         while replica.state not in (S.READY, S.FAILED) and not replica.supervisor.done():
@@ -337,29 +342,32 @@ class EnginePool:
         served = False  # some start of it became ready: its config works
         # starts since it was last ready that died before READY: by themselves / by a signal
         exits = kills = 0
+        assert replica.log is not None
         while True:
             replica.port = free_port()
             # Spin-wait is decided here, at every start, from the fleet as configured now
             # (replica.config follows reloads); a running engine keeps what it started with.
             replica.spin_wait = replica.config.spin_wait
-            log.info("starting engine for %s on port %d", replica.model, replica.port)
             try:
                 replica.proc = await self._start_engine(replica)
             except OSError as exc:
-                replica.log_tail.append(f"cannot start the engine: {exc}")
+                replica.log.write(_marker(f"cannot start the engine: {exc}"))
                 replica.set_state(S.STARTING)
                 replica.set_state(S.FAILED, str(exc))
                 return
             replica.backend = None
-            replica.set_state(S.STARTING, f"pid {replica.proc.pid}")
-            output = asyncio.create_task(relay_output(replica.proc, replica.log_tail))
+            pid = replica.proc.pid
+            started = f"pid {pid} {_how_started(replica.proc)} on port {replica.port}"
+            replica.log.write(_marker(f"engine {started}"))
+            replica.set_state(S.STARTING, f"{started}; log {replica.log.path}")
+            output = asyncio.create_task(relay_output(replica.proc, replica.log))
             ready_at: float | None = None
             timed_out = False
             if await self._wait_ready(replica, S.STARTING):
                 ready_at = time.monotonic()
                 served = True
-                replica.set_state(S.READY)
-                log.info("engine for %s ready at %s", replica.model, replica.url)
+                took = time.monotonic() - replica.since
+                replica.set_state(S.READY, f"{replica.url}, {took:.1f}s after its start")
             elif replica.state is S.STARTING and replica.proc.returncode is None:
                 log.error("engine for %s not ready after %.0fs; stopping it", replica.model,
                           self.startup_timeout_s)  # fmt: skip
@@ -369,6 +377,7 @@ class EnginePool:
             await output
             state = replica.state
             how = exit_reason(code)
+            replica.log.write(_marker(f"engine pid {pid} {how}"))
             if timed_out:
                 how = f"not ready after {self.startup_timeout_s:.0f}s"
             if state is S.STOPPING:
@@ -385,7 +394,6 @@ class EnginePool:
             else:
                 exits += 1
                 if not served:
-                    log.error("engine for %s %s before it was ever ready", replica.model, how)
                     replica.set_state(S.FAILED, f"{how} before it was ever ready")
                     return
             if ready_at is not None and time.monotonic() - ready_at > STABLE_AFTER_S:
@@ -442,4 +450,14 @@ class EnginePool:
                 await asyncio.wait_for(asyncio.shield(supervisor), 5)
             supervisor.cancel()
         if replica.state is S.STOPPING:
-            replica.set_state(S.STOPPED)
+            code = proc.returncode if proc is not None else None
+            replica.set_state(S.STOPPED, exit_reason(code) if code is not None else "")
+
+
+def _how_started(proc: EngineProcess) -> str:
+    return "forked from its template" if isinstance(proc, ForkedEngine) else "exec'd"
+
+
+def _marker(event: str) -> str:
+    """A line of the pool's own in an engine's log file, set apart from the engine's."""
+    return f"==> modelyard {time.strftime('%Y-%m-%d %H:%M:%S')}: {event} <=="

@@ -23,7 +23,6 @@ loudly instead of leaving a replica in a state nobody planned for.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import enum
 import logging
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.config import ModelConfig
+from gateway.engines.logs import EngineLog
 from gateway.engines.process import EngineProcess
 
 log = logging.getLogger("modelyard.pool")
@@ -95,9 +95,7 @@ class Replica:
     backend: object | None = None  # its router Backend (gateway.backend), for draining
     since: float = field(default_factory=time.monotonic)  # when the current state began
     left_after_s: float = 0.0  # how long the state it last left had lasted
-    log_tail: collections.deque[str] = field(
-        default_factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES)
-    )
+    log: EngineLog | None = None  # where its engine's output goes (the pool sets it)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set on every transition
     _state: ReplicaState = ReplicaState.STOPPED
 
@@ -119,7 +117,8 @@ class Replica:
         self._state = new
         now = time.monotonic()
         self.left_after_s, self.since = now - self.since, now
-        log.info(
+        log.log(
+            logging.WARNING if new in (S.BACKOFF, S.FAILED) else logging.INFO,
             "replica %s#%d: %s -> %s%s",
             self.model,
             self.index,
@@ -145,7 +144,8 @@ class Replica:
             "url": self.url if self.port else None,
             "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
             "restarts": self.restarts,
+            "log": str(self.log.path) if self.log else None,
         }
         if self._state in (S.FAILED, S.BACKOFF):
-            info["last_log_lines"] = list(self.log_tail)
+            info["last_log_lines"] = self.log.tail(LOG_TAIL_LINES) if self.log else []
         return info

@@ -22,6 +22,7 @@ from gateway.engines import pool as gateway_pool
 from gateway.router import ModelRoute, Router
 from gateway.server import GatewayRunner
 from scripts.mock_upstream import MockUpstream
+from tests.gateway.serve_process import with_engine_logs
 
 FAKE_ENGINE = (sys.executable, str(Path(__file__).with_name("fake_engine.py")))
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +122,7 @@ async def start_gateway(tmp_path: Path) -> AsyncIterator:
         env: dict[str, str] | None = None,
     ) -> RunningGateway:
         path = tmp_path / "models.yaml"
-        path.write_text(yaml.safe_dump(document))
+        path.write_text(yaml.safe_dump(with_engine_logs(document, tmp_path / "engines")))
         with _env(env or {}):
             config = load_config(path)
         gateway = Gateway(config, str(path))
@@ -165,7 +166,7 @@ async def pooled(tmp_path, monkeypatch):
 
     async def start(doc: dict):
         path = tmp_path / "models.yaml"
-        path.write_text(yaml.safe_dump(doc))
+        path.write_text(yaml.safe_dump(with_engine_logs(doc, tmp_path / "engines")))
         gateway = Gateway(load_config(path), str(path), engine_launcher=FAKE_ENGINE)
         runner = web.AppRunner(create_app(gateway), handler_cancellation=True)
         await runner.setup()
