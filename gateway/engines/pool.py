@@ -56,6 +56,7 @@ from gateway.engines.process import (
     spawn,
     spec_of,
 )
+from gateway.engines.progress import LoadProgress, reported_progress
 from gateway.engines.replica import LEAVING, Replica, ReplicaListener, ReplicaState
 from gateway.engines.template import EngineTemplates, ForkedEngine
 
@@ -63,6 +64,7 @@ log = logging.getLogger("modelyard.pool")
 
 S = ReplicaState
 READY_POLL_S = 0.25
+PROGRESS_POLL_S = 0.5  # a starting engine's /status, for its start-up stage
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # a replica that served this long without crashing resets its backoff
@@ -359,11 +361,15 @@ class EnginePool:
             pid = replica.proc.pid
             started = f"pid {pid} {_how_started(replica.proc)} on port {replica.port}"
             replica.log.write(_marker(f"engine {started}"))
+            replica.progress = LoadProgress()
             replica.set_state(S.STARTING, f"{started}; log {replica.log.path}")
             output = asyncio.create_task(relay_output(replica.proc, replica.log))
+            watch = asyncio.create_task(self._watch_load(replica))
             ready_at: float | None = None
             timed_out = False
-            if await self._wait_ready(replica, S.STARTING):
+            became_ready = await self._wait_ready(replica, S.STARTING)
+            watch.cancel()
+            if became_ready:
                 ready_at = time.monotonic()
                 served = True
                 took = time.monotonic() - replica.since
@@ -418,6 +424,21 @@ class EnginePool:
         if forked is not None:
             return forked
         return await spawn([*die_with_gateway(), *self.launcher, *flags], self.cwd)
+
+    async def _watch_load(self, replica: Replica) -> None:
+        """Polls the starting engine's /status for its start-up stage (replica.progress), with a
+        log line per new stage, until cancelled (the pool stops it when the start ends)."""
+        while replica.state is S.STARTING:
+            seen = reported_progress(
+                await self.client.status(replica.url, timeout_s=4 * PROGRESS_POLL_S)
+            )
+            if seen is not None and replica.state is S.STARTING:
+                if replica.progress is None or seen.stage != replica.progress.stage:
+                    took = time.monotonic() - replica.since
+                    log.info("replica %s#%d loading: %s (%.1fs after its start)",
+                             replica.model, replica.index, seen.stage, took)  # fmt: skip
+                replica.progress = seen
+            await asyncio.sleep(PROGRESS_POLL_S)
 
     async def _wait_ready(self, replica: Replica, state: ReplicaState) -> bool:
         """Polls /ready while the replica stays in ``state`` and its process runs."""

@@ -179,10 +179,12 @@ class EngineClient:
                 return resp.status == 200
         return False
 
-    async def status(self, url: str) -> dict[str, Any] | None:
-        """The engine's ``GET /status`` (its measured memory), None when it does not answer."""
+    async def status(self, url: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
+        """The engine's ``GET /status`` (its measured memory, its start-up stage), None when it
+        does not answer."""
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            async with self.session.get(url + "/status") as resp:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with self.session.get(url + "/status", timeout=timeout) as resp:
                 if resp.status == 200:
                     body = await resp.json()
                     return body if isinstance(body, dict) else None

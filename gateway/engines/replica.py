@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from gateway.config import ModelConfig
 from gateway.engines.logs import EngineLog
 from gateway.engines.process import EngineProcess
+from gateway.engines.progress import LoadProgress
 
 log = logging.getLogger("modelyard.pool")
 
@@ -96,6 +97,7 @@ class Replica:
     since: float = field(default_factory=time.monotonic)  # when the current state began
     left_after_s: float = 0.0  # how long the state it last left had lasted
     log: EngineLog | None = None  # where its engine's output goes (the pool sets it)
+    progress: LoadProgress | None = None  # while STARTING: the engine's start-up stage
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set on every transition
     _state: ReplicaState = ReplicaState.STOPPED
 
@@ -146,6 +148,8 @@ class Replica:
             "restarts": self.restarts,
             "log": str(self.log.path) if self.log else None,
         }
+        if self._state is S.STARTING and self.progress is not None:
+            info["progress"] = self.progress.describe()
         if self._state in (S.FAILED, S.BACKOFF):
             info["last_log_lines"] = self.log.tail(LOG_TAIL_LINES) if self.log else []
         return info

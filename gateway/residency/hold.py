@@ -1,7 +1,8 @@
 """Requests held while their model has no ready replica: a bounded FIFO per model.
 
 A held request waits until a replica of its model becomes ready (``release``), the model fails
-(``refuse``), or its own ``max_wait_s`` passes; over ``max_requests`` it is refused at once. A
+(``refuse``), or its own ``max_wait_s`` passes; over ``max_requests`` it is refused at once, and
+both refusals say where the model's load stands (``explain``: its replicas' start-up stages). A
 client that disconnects cancels its handler, and with it its place in the queue.
 """
 
@@ -35,11 +36,16 @@ class HoldLine:
     """One model's held requests."""
 
     def __init__(
-        self, model: str, settings: HoldQueue, observe_wait: Callable[[float], None]
+        self,
+        model: str,
+        settings: HoldQueue,
+        observe_wait: Callable[[float], None],
+        explain: Callable[[], str],
     ) -> None:
         self.model = model
         self.settings = settings
         self._observe_wait = observe_wait
+        self._explain = explain  # where the model's load stands, for the refusals
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     def __len__(self) -> int:
@@ -51,7 +57,7 @@ class HoldLine:
             raise refusal(
                 "hold_queue_full",
                 f"Model '{self.model}' is loading and {len(self._waiters)} requests are already "
-                "waiting for it.",
+                f"waiting for it; {self._explain()}.",
             )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -61,7 +67,8 @@ class HoldLine:
         except TimeoutError:
             raise refusal(
                 "model_loading_timeout",
-                f"Model '{self.model}' did not become ready within {self.settings.max_wait_s:g}s.",
+                f"Model '{self.model}' did not become ready within "
+                f"{self.settings.max_wait_s:g}s; {self._explain()}.",
             ) from None
         finally:
             self._observe_wait(time.monotonic() - started)

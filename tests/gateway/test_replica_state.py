@@ -9,6 +9,7 @@ import pytest
 
 from gateway.config import ModelConfig
 from gateway.engines.logs import EngineLog
+from gateway.engines.progress import LoadProgress
 from gateway.engines.replica import TRANSITIONS, InvalidTransition, Replica, ReplicaState
 from gateway.metrics import GatewayMetrics
 
@@ -62,6 +63,15 @@ def test_failed_and_backoff_show_the_last_log_lines_from_its_file(tmp_path):
     assert "last_log_lines" not in info and info["log"] == str(tmp_path / "replica-0.log")
     replica.set_state(S.FAILED)
     assert replica.describe()["last_log_lines"] == ["loading", "Traceback", "OSError: no such file"]
+
+
+def test_a_starting_replica_shows_its_load_progress_and_only_then():
+    replica = replica_in(S.STARTING, [])
+    replica.progress = LoadProgress("weights", 45.0)
+    assert replica.describe()["progress"]["stage"] == "weights"
+    assert replica.describe()["progress"]["percent"] == 45.0
+    replica.set_state(S.READY)
+    assert "progress" not in replica.describe()
 
 
 def test_metrics_follow_the_state_and_forget_a_stopped_replica():
