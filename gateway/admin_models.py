@@ -1,7 +1,7 @@
 """Admin endpoints for residency (admin key required): ``GET /admin/models`` shows each model's
-state, footprint, held requests and replicas, and the memory budget; ``POST
-/admin/models/{name}/load``, ``/park`` and ``/unload`` act on one local model and answer when
-done."""
+state, footprint, held requests and replicas (their load progress and log files), and the
+memory budget; ``POST /admin/models/{name}/load``, ``/park`` and ``/unload`` act on one local
+model and answer when done."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from common.errors import RequestRefused, excerpt
 from gateway.proxy.failures import UpstreamFailure
 from gateway.residency import ResidencyManager
 from gateway.residency.plan import Eviction
-from gateway.state import GATEWAY_KEY
+from gateway.state import GATEWAY_KEY, Gateway
 
 
 async def models(request: web.Request) -> web.Response:
@@ -32,15 +32,19 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"memory": residency.budget(), "models": listed})
 
 
-def _local_model(request: web.Request) -> tuple[ResidencyManager, str]:
-    gw = request.app[GATEWAY_KEY]
-    name = request.match_info["name"]
+def local_model(gw: Gateway, name: str, param: str) -> str:
+    """The canonical name of the local model called ``name`` (or an alias); 404 otherwise."""
     route = gw.router.resolve(name)
     if route is None or route.name not in gw.residency.models:
         raise RequestRefused(
-            404, f"No local model '{excerpt(name)}'.", param="name", code="model_not_found"
+            404, f"No local model '{excerpt(name)}'.", param=param, code="model_not_found"
         )
-    return gw.residency, route.name
+    return route.name
+
+
+def _local_model(request: web.Request) -> tuple[ResidencyManager, str]:
+    gw = request.app[GATEWAY_KEY]
+    return gw.residency, local_model(gw, request.match_info["name"], "name")
 
 
 async def load(request: web.Request) -> web.Response:
