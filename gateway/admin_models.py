@@ -1,7 +1,7 @@
 """Admin endpoints for residency (admin key required): ``GET /admin/models`` shows each model's
-state, footprint, held requests and replicas (their load progress and log files), and the
-memory budget; ``POST /admin/models/{name}/load``, ``/park`` and ``/unload`` act on one local
-model and answer when done."""
+state, footprint, held requests and replicas (their load progress and log files), the memory
+budget and the latest replica failures; ``POST /admin/models/{name}/load``, ``/park`` and
+``/unload`` act on one local model and answer when done."""
 
 from __future__ import annotations
 
@@ -29,7 +29,13 @@ async def models(request: web.Request) -> web.Response:
         else:
             entry["state"] = "ready" if any(b.available for b in route.backends) else "unavailable"
         listed.append(entry)
-    return web.json_response({"memory": residency.budget(), "models": listed})
+    return web.json_response(
+        {
+            "memory": residency.budget(),
+            "models": listed,
+            "recent_errors": list(gw.pool.recent_errors),
+        }
+    )
 
 
 def local_model(gw: Gateway, name: str, param: str) -> str:

@@ -37,6 +37,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 
 from common.net import free_port
@@ -74,6 +75,7 @@ MAX_CRASHES = 5  # exited by themselves (a replica that was never ready: at the 
 # minutes (idle models park): with the backoff doubling from 1 s to 60 s, 10 starts span ~4 min.
 MAX_KILLED_STARTS = 10
 SLEEP_TIMEOUT_S = 120.0  # for POST /sleep and /wake_up (a weight copy, not a load)
+RECENT_ERRORS = 20  # the replica failures /admin/models lists
 
 
 class EnginePool:
@@ -107,6 +109,8 @@ class EnginePool:
         self.client = EngineClient()
         # forks `python -m engine` (ENGINE_LAUNCHER) only
         self.templates = EngineTemplates(cwd, logs)
+        # the latest transitions to BACKOFF or FAILED, and sleeps refused, for /admin/models
+        self.recent_errors: deque[dict[str, object]] = deque(maxlen=RECENT_ERRORS)
         self._apply_lock = asyncio.Lock()
         self._model_locks: dict[str, asyncio.Lock] = {}
         self._rollouts: set[asyncio.Task[None]] = set()
@@ -323,6 +327,11 @@ class EnginePool:
             await asyncio.sleep(0.05)
 
     def _transition(self, replica: Replica, old: ReplicaState) -> None:
+        if replica.state in (S.BACKOFF, S.FAILED) or (old, replica.state) == (S.PARKING, S.READY):
+            self.recent_errors.append({
+                "time": round(time.time(), 3), "model": replica.model, "replica": replica.index,
+                "from": old.value, "to": replica.state.value, "reason": replica.reason,
+            })  # fmt: skip
         if S.READY in (old, replica.state):
             self.publish(replica.model, [
                 r.url for r in self.replicas.get(replica.model, []) if r.state is S.READY

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.backend import Backend
 from gateway.config import ModelConfig
 from gateway.engines.logs import EngineLog
 from gateway.engines.process import EngineProcess
@@ -96,6 +97,7 @@ class Replica:
     backend: object | None = None  # its router Backend (gateway.backend), for draining
     since: float = field(default_factory=time.monotonic)  # when the current state began
     left_after_s: float = 0.0  # how long the state it last left had lasted
+    reason: str = ""  # why it entered the current state, as logged
     log: EngineLog | None = None  # where its engine's output goes (the pool sets it)
     progress: LoadProgress | None = None  # while STARTING: the engine's start-up stage
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set on every transition
@@ -117,6 +119,7 @@ class Replica:
                 f"replica {self.model}#{self.index}: {old.value} -> {new.value}"
             )
         self._state = new
+        self.reason = why
         now = time.monotonic()
         self.left_after_s, self.since = now - self.since, now
         log.log(
@@ -148,6 +151,8 @@ class Replica:
             "restarts": self.restarts,
             "log": str(self.log.path) if self.log else None,
         }
+        if self._state is S.READY:
+            info["draining"] = isinstance(self.backend, Backend) and self.backend.draining
         if self._state is S.STARTING and self.progress is not None:
             info["progress"] = self.progress.describe()
         if self._state in (S.FAILED, S.BACKOFF):
