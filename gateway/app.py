@@ -8,6 +8,7 @@ from aiohttp import web
 from gateway import admin, admin_logs, admin_models, openai_api, probes, response_headers
 from gateway.middlewares import auth, context
 from gateway.state import GATEWAY_KEY, Gateway
+from gateway.ui import page
 
 __all__ = ["GATEWAY_KEY", "Gateway", "create_app"]
 
@@ -37,6 +38,7 @@ def create_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/admin/models/{name}/park", admin_models.park)
     app.router.add_post("/admin/models/{name}/unload", admin_models.unload)
     app.router.add_get("/admin/logs", admin_logs.logs)
+    page.add_routes(app)
     app.on_response_prepare.append(response_headers.add_headers)
 
     async def end_log_streams(_: web.Application) -> None:
