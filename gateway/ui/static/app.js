@@ -16,7 +16,12 @@ let soon = false; // poll again as soon as the one under way ends
 let pollTimer = null;
 let lastTokens = null; // {at, byModel}: the completion-token counters at the previous poll
 
-class Refused extends Error {}
+class Refused extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
 
 function storedKey() {
   return sessionStorage.getItem(KEY_STORE);
@@ -30,7 +35,7 @@ async function api(path, options = {}) {
     ...options, headers, cache: "no-store", credentials: "omit", redirect: "error",
   });
   if (response.status === 401 || response.status === 403) {
-    throw new Refused(await errorMessage(response));
+    throw new Refused(response.status, await errorMessage(response));
   }
   return response;
 }
@@ -108,7 +113,9 @@ async function poll() {
     $("updated").classList.remove("stale");
   } catch (error) {
     if (error instanceof Refused) {
-      askForKey(storedKey() ? "Refused: " + error.message : "This gateway needs its admin key.");
+      // no key sent yet: ask for one; a key refused, or admin endpoints off (403): say so
+      const ask = !storedKey() && error.status === 401;
+      askForKey(ask ? "This gateway needs its admin key." : "Refused: " + error.message);
       return;
     }
     $("updated").textContent = "the gateway does not answer (" + error.message + ")";
