@@ -39,6 +39,7 @@ from gateway.engines.progress import LoadProgress
 log = logging.getLogger("modelyard.pool")
 
 LOG_TAIL_LINES = 20
+LOG_LINE_CHARS = 1000  # of each, in /admin/models
 
 
 class ReplicaState(enum.Enum):
@@ -156,5 +157,6 @@ class Replica:
         if self._state is S.STARTING and self.progress is not None:
             info["progress"] = self.progress.describe()
         if self._state in (S.FAILED, S.BACKOFF):
-            info["last_log_lines"] = self.log.tail(LOG_TAIL_LINES) if self.log else []
+            tail = self.log.tail(LOG_TAIL_LINES) if self.log else []
+            info["last_log_lines"] = [line[:LOG_LINE_CHARS] for line in tail]
         return info

@@ -57,12 +57,13 @@ def test_other_transitions_are_refused(old, new):
 def test_failed_and_backoff_show_the_last_log_lines_from_its_file(tmp_path):
     replica = replica_in(S.STARTING, [])
     replica.log = EngineLog(tmp_path / "replica-0.log", 2**20, 2)
-    for line in ["loading", "Traceback", "OSError: no such file"]:
+    for line in ["x" * 5000, "loading", "Traceback", "OSError: no such file"]:
         replica.log.write(line)
     info = replica.describe()
     assert "last_log_lines" not in info and info["log"] == str(tmp_path / "replica-0.log")
     replica.set_state(S.FAILED)
-    assert replica.describe()["last_log_lines"] == ["loading", "Traceback", "OSError: no such file"]
+    shown = replica.describe()["last_log_lines"]
+    assert shown == ["x" * 1000, "loading", "Traceback", "OSError: no such file"]
 
 
 def test_a_starting_replica_shows_its_load_progress_and_only_then():
