@@ -57,7 +57,7 @@ from gateway.engines.process import (
     spawn,
     spec_of,
 )
-from gateway.engines.progress import LoadProgress, reported_progress
+from gateway.engines.progress import BETWEEN_PHASES, LoadProgress, reported_progress
 from gateway.engines.replica import LEAVING, Replica, ReplicaListener, ReplicaState
 from gateway.engines.template import EngineTemplates, ForkedEngine
 
@@ -442,7 +442,8 @@ class EnginePool:
                 await self.client.status(replica.url, timeout_s=4 * PROGRESS_POLL_S)
             )
             if seen is not None and replica.state is S.STARTING:
-                if replica.progress is None or seen.stage != replica.progress.stage:
+                new = replica.progress is None or seen.stage != replica.progress.stage
+                if new and seen.stage not in BETWEEN_PHASES:
                     took = time.monotonic() - replica.since
                     log.info("replica %s#%d loading: %s (%.1fs after its start)",
                              replica.model, replica.index, seen.stage, took)  # fmt: skip

@@ -13,6 +13,8 @@ from typing import Any
 
 # The engine's first phase, which ends when it listens: until /status answers, it is in this one.
 BEFORE_LISTENING = "imports and http server"
+# What the engine reports while no phase runs: shown, but no stage worth a log line.
+BETWEEN_PHASES = frozenset({"loading", "ready"})
 
 
 @dataclass

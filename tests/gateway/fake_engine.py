@@ -2,8 +2,8 @@
 upstream's API under ``--served-model-name``, and answers /ready only after ``--ready-delay-s``.
 It parks and wakes as the engine does (``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``:
 asleep, /ready and completions answer 503) and reports a memory footprint on ``GET /status``, and
-its start-up stage there: ``weights`` with a percent growing over ``--ready-delay-s``, then
-``ready``.
+its start-up stage there: ``weights`` with a percent growing over ``--ready-delay-s`` (but its
+last ``--between-phases-s``, ``loading``: no phase running), then ``ready``.
 
 Test-only flags (passed through ``engine_args`` in models.yaml): ``--ready-delay-s S``,
 ``--fail-start`` (exit 3 at once, as an engine with a bad model would), ``--first-start-only PATH``
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--rss-bytes", type=int, default=0)
     parser.add_argument("--parked-rss-bytes", type=int, default=0)
     parser.add_argument("--crash-after-ready-s", type=float, default=None)
+    parser.add_argument("--between-phases-s", type=float, default=0.0)
     args, _engine_flags = parser.parse_known_args()
     marker = args.first_start_only
     if args.fail_start or not Path(args.model).exists() or (marker and marker.exists()):
@@ -104,6 +105,8 @@ def main() -> None:
         now = time.monotonic()
         if now >= ready_at:
             return {"stage": "ready", "percent": None, "stage_s": round(now - ready_at, 3)}
+        if now >= ready_at - args.between_phases_s:
+            return {"stage": "loading", "percent": None, "stage_s": 0.0}
         percent = round(100 * (now - started) / args.ready_delay_s, 1)
         return {"stage": "weights", "percent": percent, "stage_s": round(now - started, 3)}
 

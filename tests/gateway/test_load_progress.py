@@ -29,7 +29,9 @@ async def test_a_starting_replica_shows_its_stage_and_a_timed_out_request_names_
     pooled, tmp_path, caplog
 ):
     caplog.set_level(logging.INFO, "modelyard.pool")
-    model = on_demand("od", "--ready-delay-s", "5", queue={"max_wait_s": 2})
+    model = on_demand(
+        "od", "--ready-delay-s", "5", "--between-phases-s", "1.5", queue={"max_wait_s": 2}
+    )
     gateway, url, _ = await pooled(fleet(tmp_path, [model]))
     async with aiohttp.ClientSession() as session:
         status, answer, _ = await request(session, url, "od")
@@ -50,11 +52,16 @@ async def test_a_starting_replica_shows_its_stage_and_a_timed_out_request_names_
             assert time.monotonic() < deadline, seen
             await asyncio.sleep(0.1)
         assert 0 < seen["percent"] < 100 and seen["stage_s"] >= 0
+        while (seen := await progress()).get("stage") != "loading":  # between two phases
+            assert time.monotonic() < deadline, seen
+            await asyncio.sleep(0.1)
         assert any(r.getMessage().startswith("replica od#0 loading: weights")
                    for r in caplog.records)  # fmt: skip
 
         await wait_for(lambda: states(gateway, "od") == [S.READY], timeout=15)
         assert await progress() == {}  # shown while it starts only
+    stages = [r.getMessage() for r in caplog.records if " loading: " in r.getMessage()]
+    assert len(stages) == 1  # weights: "loading" between phases (or "ready") is no stage
 
 
 async def test_a_full_hold_line_says_where_the_load_stands():
