@@ -43,7 +43,7 @@ def create_app(gateway: Gateway) -> web.Application:
 
     async def end_log_streams(_: web.Application) -> None:
         # before the shutdown waits for handlers: a followed log would hold it for its timeout
-        gateway.engine_logs.end_following()
+        gateway.pool.logs.end_following()
 
     app.on_shutdown.append(end_log_streams)
 

@@ -52,15 +52,11 @@ class Gateway:
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
         gw = config.gateway
-        self.engine_logs = EngineLogs(gw.engine_logs, log_folder(gw.engine_logs, gw.host, gw.port))
+        logs = EngineLogs(gw.engine_logs, log_folder(gw.engine_logs, gw.host, gw.port))
         # Built with every fleet, one without local models too (managing none then): a reload
         # may add some. Their engines start with start().
         self.pool = EnginePool(
-            self.set_backends,
-            self.router.find,
-            self.engine_logs,
-            cwd=engine_cwd,
-            launcher=engine_launcher,
+            self.set_backends, self.router.find, logs, cwd=engine_cwd, launcher=engine_launcher
         )
         self.residency = ResidencyManager(self.pool, self.router, self.metrics, config)
         self.pool.on_transition = self.residency.on_transition

@@ -143,6 +143,6 @@ async def test_a_followed_log_ends_when_the_gateway_stops(running):
         engine_log = gateway.pool.logs.replica("m", 0)
         await wait_for(lambda: len(engine_log.followers) == 1, timeout=5)
         engine_log.write("last words")
-        gateway.engine_logs.end_following()  # what the app's on_shutdown does
+        gateway.pool.logs.end_following()  # what the app's on_shutdown does
         await asyncio.wait_for(reader, 5)  # the stream ended
     assert seen == ["last words"] and not engine_log.followers
