@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench bench-peers bench-density lint format models prometheus redis venv clean
+.PHONY: serve test bench bench-peers bench-density lint format models prometheus redis chromium venv clean
 
 venv: $(STAMP)
 
@@ -43,10 +43,17 @@ redis:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
+# The status page's test drives a headless Chromium over the DevTools protocol (Debian package).
+chromium:
+	@command -v chromium >/dev/null || { \
+		echo "installing chromium (Debian package) ..."; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
 serve: $(STAMP) $(MODEL) $(GEMMA_MODEL)
 	$(VENV)/bin/modelyard serve -c models.yaml --host $(HOST) --port $(PORT)
 
-test: $(STAMP) $(MODEL) $(GEMMA_MODEL) prometheus redis
+test: $(STAMP) $(MODEL) $(GEMMA_MODEL) prometheus redis chromium
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP) $(MODEL) redis

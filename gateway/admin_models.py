@@ -1,8 +1,8 @@
 """Admin endpoints for residency (admin key required): ``GET /admin/models`` shows each model's
 state, footprint and what it holds now, requests in flight and queued in its line
 (gateway/admission), completion tokens per second over the last minute, its idle time and what is
-left of its idle TTL, and its replicas (uptime, restarts, measured memory), and the memory budget
-(``modelyard ps`` shows it); ``POST
+left of its idle TTL, and its replicas (uptime, restarts, measured memory, load progress, log
+files), the memory budget (``modelyard ps`` shows it) and the latest replica failures; ``POST
 /admin/models/{name}/load``, ``/park`` and ``/unload`` act on one local model and answer when
 done."""
 
@@ -13,7 +13,7 @@ from aiohttp import web
 from common.errors import RequestRefused, excerpt
 from gateway.residency import ResidencyManager
 from gateway.residency.plan import Eviction
-from gateway.state import GATEWAY_KEY
+from gateway.state import GATEWAY_KEY, Gateway
 
 
 async def models(request: web.Request) -> web.Response:
@@ -34,18 +34,28 @@ async def models(request: web.Request) -> web.Response:
         else:
             entry["state"] = "ready" if any(b.available for b in route.backends) else "unavailable"
         listed.append(entry)
-    return web.json_response({"memory": residency.budget(), "models": listed})
+    return web.json_response(
+        {
+            "memory": residency.budget(),
+            "models": listed,
+            "recent_errors": list(gw.pool.recent_errors),
+        }
+    )
+
+
+def local_model(gw: Gateway, name: str, param: str) -> str:
+    """The canonical name of the local model called ``name`` (or an alias); 404 otherwise."""
+    route = gw.router.resolve(name)
+    if route is None or route.name not in gw.residency.models:
+        raise RequestRefused(
+            404, f"No local model '{excerpt(name)}'.", param=param, code="model_not_found"
+        )
+    return route.name
 
 
 def _local_model(request: web.Request) -> tuple[ResidencyManager, str]:
     gw = request.app[GATEWAY_KEY]
-    name = request.match_info["name"]
-    route = gw.router.resolve(name)
-    if route is None or route.name not in gw.residency.models:
-        raise RequestRefused(
-            404, f"No local model '{excerpt(name)}'.", param="name", code="model_not_found"
-        )
-    return gw.residency, route.name
+    return gw.residency, local_model(gw, request.match_info["name"], "name")
 
 
 async def load(request: web.Request) -> web.Response:

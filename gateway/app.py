@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway import admin, admin_models, openai_api, probes
+from gateway import admin, admin_logs, admin_models, openai_api, probes, response_headers
 from gateway.middlewares import auth, context
 from gateway.state import GATEWAY_KEY, Gateway
+from gateway.ui import page
 
 __all__ = ["GATEWAY_KEY", "Gateway", "create_app"]
 
@@ -36,6 +37,15 @@ def create_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/admin/models/{name}/load", admin_models.load)
     app.router.add_post("/admin/models/{name}/park", admin_models.park)
     app.router.add_post("/admin/models/{name}/unload", admin_models.unload)
+    app.router.add_get("/admin/logs", admin_logs.logs)
+    page.add_routes(app)
+    app.on_response_prepare.append(response_headers.add_headers)
+
+    async def end_log_streams(_: web.Application) -> None:
+        # before the shutdown waits for handlers: a followed log would hold it for its timeout
+        gateway.pool.logs.end_following()
+
+    app.on_shutdown.append(end_log_streams)
 
     async def lifecycle(app: web.Application):
         await gateway.start()

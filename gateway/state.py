@@ -18,6 +18,7 @@ from gateway.auth import Authenticator
 from gateway.backend import Backend, BackendState
 from gateway.config import ConfigError, FleetConfig, load_config
 from gateway.config_watch import ConfigWatcher
+from gateway.engines.logs import EngineLogs, log_folder
 from gateway.engines.pool import EnginePool
 from gateway.engines.process import ENGINE_LAUNCHER
 from gateway.health import HealthMonitor
@@ -55,16 +56,19 @@ class Gateway:
         self.auth = Authenticator(config.gateway.auth)
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
+        gw = config.gateway
+        logs = EngineLogs(gw.engine_logs, log_folder(gw.engine_logs, gw.host, gw.port))
         # Built with every fleet, one without local models too (managing none then): a reload
         # may add some. Their engines start with start().
         self.pool = EnginePool(
-            self.set_backends, self.router.find, cwd=engine_cwd, launcher=engine_launcher
+            self.set_backends, self.router.find, logs, cwd=engine_cwd, launcher=engine_launcher
         )
         self.residency = ResidencyManager(
             self.pool, self.router, self.metrics, config, self.admission
         )
         self.pool.on_transition = self.residency.on_transition
         self.admission.supply = self.residency.supply
+        self.admission.explain = self.residency.load_state
         self.access_log = AccessLog()  # stdout
         self.health: HealthMonitor
         self.proxy: Proxy
@@ -168,6 +172,8 @@ class Gateway:
             )
         if old.state != new.state:
             log.warning("gateway.state changes take effect after a restart")
+        if old.engine_logs != new.engine_logs:
+            log.warning("gateway.engine_logs changes take effect after a restart")
         removed = self.router.apply(config)
         for model in config.models:
             self.metrics.declare_model(model.name)

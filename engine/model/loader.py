@@ -33,11 +33,11 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from common.cache_dir import cache_root
 from engine import startup
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.file_hash import file_sha256
-from engine.model.cache_dir import cache_root
 from engine.model.cpu.gguf_weights import GgufWeights
 from engine.model.cpu.linear import native_bf16
 from engine.model.cpu.narrow_weights import check_quantization, narrow_mode
@@ -306,9 +306,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
             if dtype != torch.float32:
                 model.to(dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                source, local_files_only=True, dtype=dtype, config=hf_config
-            )
+            with startup.phase("weights"):
+                model = AutoModelForCausalLM.from_pretrained(
+                    source, local_files_only=True, dtype=dtype, config=hf_config
+                )
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load the model in {str(source)!r}: {exc}") from exc
     if device.type != "cpu":  # on the CPU already, weights the narrow path takes still on meta

@@ -96,6 +96,7 @@ async def _serve(config: EngineConfig, options: ServerOptions) -> int:
         stop.set()
         code = 1
     elif loaded.done():
+        startup.mark_loaded()
         _log_loaded(engine, time.monotonic() - started)
         log.info(
             "ready %.2f s after the process started: %s", startup.since_start(), startup.summary()

@@ -1,5 +1,6 @@
 """GET /status: the engine's memory now, for a supervisor that plans where models fit, built on
-the event loop from the engine thread's latest footprint and this process's /proc counters."""
+the event loop from the engine thread's latest footprint and this process's /proc counters; and
+its start-up stage, which it answers from the moment it listens, while the model loads."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def status_body(model: str, sleeping: bool, footprint: Any, grammars: Any = None
         **structured_memory(grammars),
     }
     if footprint is None:
-        return {"model": model, "sleeping": sleeping, "memory": process}
+        return {"model": model, "sleeping": sleeping, "memory": process, "startup": startup.stage()}
     memory = {
         "weights_bytes": footprint.weights_bytes,
         "kv_cache_bytes": footprint.kv_cache_bytes,
@@ -50,4 +51,5 @@ def status_body(model: str, sleeping: bool, footprint: Any, grammars: Any = None
         "memory": memory,
         "park": asdict(footprint.park),
         "startup_s": {name: round(s, 3) for name, s in startup.phases().items()},
+        "startup": startup.stage(),
     }

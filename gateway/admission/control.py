@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from common.errors import RequestRefused
-from gateway.admission.line import ModelLine, Seat, Supply, nothing_coming
+from gateway.admission.line import Explain, ModelLine, Seat, Supply, no_load, nothing_coming
 from gateway.admission.scheduler import Tenant
 from gateway.backend import Backend, BackendState
 from gateway.config import ApiKey, FleetConfig
@@ -22,6 +22,7 @@ class AdmissionControl:
         self.metrics = metrics
         # the residency manager's (Gateway wires it): a local model's replicas come on request
         self.supply: Supply = nothing_coming
+        self.explain: Explain = no_load  # the residency manager's too: where a load stands
         self.lines: dict[str, ModelLine] = {}
         self._tenants: dict[str, Tenant] = {}
 
@@ -34,8 +35,8 @@ class AdmissionControl:
         bands = {tenant.band for tenant in tenants}
         lines: dict[str, ModelLine] = {}
         for name, route in routes.items():
-            line = self.lines.get(name) or ModelLine(route, self.metrics, self.supply)
-            line.supply = self.supply
+            line = self.lines.get(name) or ModelLine(route, self.metrics, self.supply, self.explain)
+            line.supply, line.explain = self.supply, self.explain
             line.configure(route, names)
             self.metrics.declare_admission(name, bands, names)
             lines[name] = line

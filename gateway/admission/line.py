@@ -29,15 +29,28 @@ from gateway.router import ModelRoute
 Supply = Callable[[ModelRoute, Collection[Backend]], Awaitable[bool]]
 
 
+# Where the load of a model without a ready replica stands (its replicas' start-up stages), for
+# the refusals of the requests waiting for it.
+Explain = Callable[[str], str]
+
+
 async def nothing_coming(route: ModelRoute, tried: Collection[Backend]) -> bool:
     """The supply of a gateway that starts no replicas."""
     return False
 
 
+def no_load(model: str) -> str:
+    """The explanation of a gateway that starts no replicas."""
+    return "no replica is loading"
+
+
 class ModelLine:
-    def __init__(self, route: ModelRoute, metrics: GatewayMetrics, supply: Supply) -> None:
+    def __init__(
+        self, route: ModelRoute, metrics: GatewayMetrics, supply: Supply, explain: Explain
+    ) -> None:
         self.metrics = metrics
         self.supply = supply
+        self.explain = explain
         self.scheduler = Scheduler()
         self.drain = DrainRate()
         self._seats: dict[Ticket, Seat] = {}  # the waiting ones
@@ -154,7 +167,8 @@ class ModelLine:
         self._withdraw(seat, time.monotonic())
         loading = self.capacity() == 0
         retry_after = self._retry_after(self.waiting, loading)
-        raise self.count(refusals.timed_out(self.name, self.max_wait_s, loading, retry_after))
+        why = self.explain(self.name) if loading else None
+        raise self.count(refusals.timed_out(self.name, self.max_wait_s, why, retry_after))
 
     async def _hold(self, seat: Seat, tried: Collection[Backend]) -> None:
         try:
@@ -229,7 +243,8 @@ class ModelLine:
             self.metrics.child(self.metrics.admission_shed, self.name, key).inc()
             refused = refusals.shed(self.name, retry_after)
         else:
-            refused = refusals.full(self.name, self.waiting, loading, retry_after)
+            why = self.explain(self.name) if loading else None
+            refused = refusals.full(self.name, self.waiting, why, retry_after)
         return self.count(refused)
 
     def _retry_after(self, ahead: int, loading: bool) -> int:

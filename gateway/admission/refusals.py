@@ -21,20 +21,27 @@ def shed(model: str, retry_after_s: int) -> RequestRefused:
     )
 
 
-def full(model: str, waiting: int, loading: bool, retry_after_s: int) -> RequestRefused:
-    if loading:
+def full(model: str, waiting: int, loading: str | None, retry_after_s: int) -> RequestRefused:
+    """``loading``: where the model's load stands while it has no ready replica, else None."""
+    if loading is not None:
         code, message = "hold_queue_full", f"Model '{model}' is loading and {waiting} requests "
+        message += f"are already waiting for it; {loading}."
     else:
         code, message = "queue_full", f"Model '{model}' is busy and {waiting} requests "
-    return unavailable(code, message + "are already waiting for it.", retry_after_s)
+        message += "are already waiting for it."
+    return unavailable(code, message, retry_after_s)
 
 
-def timed_out(model: str, max_wait_s: float, loading: bool, retry_after_s: int) -> RequestRefused:
-    if loading:
-        code, message = "model_loading_timeout", "did not become ready"
+def timed_out(
+    model: str, max_wait_s: float, loading: str | None, retry_after_s: int
+) -> RequestRefused:
+    """``loading`` as for `full`."""
+    if loading is not None:
+        code = "model_loading_timeout"
+        message = f"did not become ready within {max_wait_s:g}s; {loading}."
     else:
-        code, message = "queue_timeout", "had no free slot"
-    return unavailable(code, f"Model '{model}' {message} within {max_wait_s:g}s.", retry_after_s)
+        code, message = "queue_timeout", f"had no free slot within {max_wait_s:g}s."
+    return unavailable(code, f"Model '{model}' {message}", retry_after_s)
 
 
 def unavailable(code: str, message: str, retry_after_s: int) -> RequestRefused:

@@ -1,14 +1,16 @@
 """The ``gateway`` section: listen address, timeouts, health checks, ejection, retries, limits on
-clients and bodies, the switches (access log, config watch, engine template), API keys and the
-admission policy. Defaults come from the dataclasses in schema.py."""
+clients and bodies, the switches (access log, config watch, engine template), the engines' log
+files, API keys and the admission policy. Defaults come from the dataclasses in schema.py."""
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import replace
+from pathlib import Path
 
 from common.http_server import ClientLimits
 from gateway.config.admission import read_gateway_admission, read_key_admission
+from gateway.config.engine_logs import read_engine_logs
 from gateway.config.reader import ConfigError, Reader
 from gateway.config.residency import read_memory
 from gateway.config.schema import (
@@ -24,7 +26,8 @@ from gateway.config.schema import (
 from gateway.config.shared_state import read_state
 
 
-def read_gateway(r: Reader) -> GatewaySettings:
+def read_gateway(r: Reader, base_dir: Path) -> GatewaySettings:
+    """``base_dir``: the file's folder, which relative paths start from."""
     d = GatewaySettings()
     host, port = _read_listen(r, d)
     settings = GatewaySettings(
@@ -40,6 +43,7 @@ def read_gateway(r: Reader) -> GatewaySettings:
         access_log=r.boolean("access_log", d.access_log),
         watch_config=r.boolean("watch_config", d.watch_config),
         engine_template=r.boolean("engine_template", d.engine_template),
+        engine_logs=read_engine_logs(r.section("engine_logs"), base_dir),
         auth=_read_auth(r.section("auth")),
         memory=read_memory(r.section("memory")),
         state=read_state(r),

@@ -38,7 +38,8 @@ def parse_config(data: Any, file: str = "models.yaml", base_dir: Path | None = N
     """Validates a parsed YAML document; raises ConfigError listing every problem."""
     problems: list[str] = []
     root = Reader(data, "", problems, file)
-    gateway = read_gateway(root.section("gateway"))
+    base_dir = base_dir or Path.cwd()
+    gateway = read_gateway(root.section("gateway"), base_dir)
     defaults = read_defaults(root.section("defaults"))
     raw_models = root.raw("models")
     models: list[ModelConfig] = []
@@ -48,7 +49,7 @@ def parse_config(data: Any, file: str = "models.yaml", base_dir: Path | None = N
     served: dict[str, str] = {}  # name or alias → the models[i] that serves it
     for i, item in enumerate(raw_models):
         entry = root.item("models", i, item)
-        model = read_model(entry, defaults, gateway, base_dir or Path.cwd())
+        model = read_model(entry, defaults, gateway, base_dir)
         if model is None:
             continue
         for served_name in (model.name, *model.aliases):

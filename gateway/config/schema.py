@@ -120,6 +120,16 @@ class AdmissionSettings:
 
 
 @dataclass(frozen=True)
+class EngineLogSettings:
+    """``gateway.engine_logs``: each engine replica's output in a file of its own, rotated by size
+    (gateway/engines/logs.py)."""
+
+    dir: str | None = None  # None: <cache folder>/logs/<host>-<port> (one folder per gateway)
+    max_bytes: int = 10 * 2**20  # a file this large is rotated
+    files: int = 3  # kept per replica: the live file and files - 1 rotated ones (.1, .2, ...)
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -135,6 +145,7 @@ class GatewaySettings:
     # fork local engines from a process that has imported what they need (gateway/engines/
     # template.py): they start without seconds of imports and share its pages; false: exec each
     engine_template: bool = True
+    engine_logs: EngineLogSettings = EngineLogSettings()
     auth: AuthSettings = AuthSettings()
     memory: MemoryBudget = MemoryBudget()
     state: SharedState | None = None  # None: every limit is this process's own

@@ -37,11 +37,13 @@ import contextlib
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 
 from common.net import free_port
 from gateway.backend import Backend
 from gateway.config import MAX_GPU_FRACTION_SUM, FleetConfig, ModelConfig
+from gateway.engines.logs import EngineLogs
 from gateway.engines.process import (
     ENGINE_LAUNCHER,
     EngineClient,
@@ -55,13 +57,15 @@ from gateway.engines.process import (
     spawn,
     spec_of,
 )
+from gateway.engines.progress import BETWEEN_PHASES, LoadProgress, reported_progress
 from gateway.engines.replica import LEAVING, Replica, ReplicaListener, ReplicaState
-from gateway.engines.template import EngineTemplates
+from gateway.engines.template import EngineTemplates, ForkedEngine
 
 log = logging.getLogger("modelyard.pool")
 
 S = ReplicaState
 READY_POLL_S = 0.25
+PROGRESS_POLL_S = 0.5  # a starting engine's /status, for its start-up stage
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # a replica that served this long without crashing resets its backoff
@@ -71,6 +75,7 @@ MAX_CRASHES = 5  # exited by themselves (a replica that was never ready: at the 
 # minutes (idle models park): with the backoff doubling from 1 s to 60 s, 10 starts span ~4 min.
 MAX_KILLED_STARTS = 10
 SLEEP_TIMEOUT_S = 120.0  # for POST /sleep and /wake_up (a weight copy, not a load)
+RECENT_ERRORS = 20  # the replica failures /admin/models lists
 
 
 class EnginePool:
@@ -80,6 +85,7 @@ class EnginePool:
         self,
         publish: Callable[[str, list[str]], None],
         find_backend: Callable[[str, str], Backend | None],
+        logs: EngineLogs,
         *,
         launcher: tuple[str, ...] = ENGINE_LAUNCHER,
         startup_timeout_s: float = 900.0,
@@ -90,6 +96,7 @@ class EnginePool:
     ) -> None:
         self.publish = publish  # (model, ready URLs) → router
         self.find_backend = find_backend  # (model, url) → its router Backend, for draining
+        self.logs = logs  # each replica's output file
         self.launcher = launcher
         self.startup_timeout_s = startup_timeout_s
         self.drain_timeout_s = drain_timeout_s
@@ -100,7 +107,10 @@ class EnginePool:
         self.models: dict[str, ModelConfig] = {}
         self.active: set[str] = set()  # models whose replicas should serve
         self.client = EngineClient()
-        self.templates = EngineTemplates(cwd)  # forks `python -m engine` (ENGINE_LAUNCHER) only
+        # forks `python -m engine` (ENGINE_LAUNCHER) only
+        self.templates = EngineTemplates(cwd, logs)
+        # the latest transitions to BACKOFF or FAILED, and sleeps refused, for /admin/models
+        self.recent_errors: deque[dict[str, object]] = deque(maxlen=RECENT_ERRORS)
         self._apply_lock = asyncio.Lock()
         self._model_locks: dict[str, asyncio.Lock] = {}
         self._rollouts: set[asyncio.Task[None]] = set()
@@ -284,6 +294,7 @@ class EnginePool:
         taken = {r.index for r in self.replicas[model.name]}
         index = next(i for i in range(len(taken) + 1) if i not in taken)  # bounded metric label
         replica = Replica(model.name, spec, model, self._transition, index=index)
+        replica.log = self.logs.replica(model.name, index)
         self.replicas[model.name].append(replica)
         replica.supervisor = asyncio.create_task(self._supervise(replica))
         while replica.state not in (S.READY, S.FAILED) and not replica.supervisor.done():
@@ -316,6 +327,11 @@ class EnginePool:
             await asyncio.sleep(0.05)
 
     def _transition(self, replica: Replica, old: ReplicaState) -> None:
+        if replica.state in (S.BACKOFF, S.FAILED) or (old, replica.state) == (S.PARKING, S.READY):
+            self.recent_errors.append({
+                "time": round(time.time(), 3), "model": replica.model, "replica": replica.index,
+                "from": old.value, "to": replica.state.value, "reason": replica.reason,
+            })  # fmt: skip
         if S.READY in (old, replica.state):
             self.publish(replica.model, [
                 r.url for r in self.replicas.get(replica.model, []) if r.state is S.READY
@@ -337,30 +353,37 @@ class EnginePool:
         served = False  # some start of it became ready: its config works
         # starts since it was last ready that died before READY: by themselves / by a signal
         exits = kills = 0
+        assert replica.log is not None
         while True:
             replica.port = free_port()
             # Spin-wait is decided here, at every start, from the fleet as configured now
             # (replica.config follows reloads); a running engine keeps what it started with.
             replica.spin_wait = replica.config.spin_wait
-            log.info("starting engine for %s on port %d", replica.model, replica.port)
             try:
                 replica.proc = await self._start_engine(replica)
                 replica.started_at = time.monotonic()
             except OSError as exc:
-                replica.log_tail.append(f"cannot start the engine: {exc}")
+                replica.log.write(_marker(f"cannot start the engine: {exc}"))
                 replica.set_state(S.STARTING)
                 replica.set_state(S.FAILED, str(exc))
                 return
             replica.backend = None
-            replica.set_state(S.STARTING, f"pid {replica.proc.pid}")
-            output = asyncio.create_task(relay_output(replica.proc, replica.log_tail))
+            pid = replica.proc.pid
+            started = f"pid {pid} {_how_started(replica.proc)} on port {replica.port}"
+            replica.log.write(_marker(f"engine {started}"))
+            replica.progress = LoadProgress()
+            replica.set_state(S.STARTING, f"{started}; log {replica.log.path}")
+            output = asyncio.create_task(relay_output(replica.proc, replica.log))
+            watch = asyncio.create_task(self._watch_load(replica))
             ready_at: float | None = None
             timed_out = False
-            if await self._wait_ready(replica, S.STARTING):
+            became_ready = await self._wait_ready(replica, S.STARTING)
+            watch.cancel()
+            if became_ready:
                 ready_at = time.monotonic()
                 served = True
-                replica.set_state(S.READY)
-                log.info("engine for %s ready at %s", replica.model, replica.url)
+                took = time.monotonic() - replica.since
+                replica.set_state(S.READY, f"{replica.url}, {took:.1f}s after its start")
             elif replica.state is S.STARTING and replica.proc.returncode is None:
                 log.error("engine for %s not ready after %.0fs; stopping it", replica.model,
                           self.startup_timeout_s)  # fmt: skip
@@ -370,6 +393,7 @@ class EnginePool:
             await output
             state = replica.state
             how = exit_reason(code)
+            replica.log.write(_marker(f"engine pid {pid} {how}"))
             if timed_out:
                 how = f"not ready after {self.startup_timeout_s:.0f}s"
             if state is S.STOPPING:
@@ -386,7 +410,6 @@ class EnginePool:
             else:
                 exits += 1
                 if not served:
-                    log.error("engine for %s %s before it was ever ready", replica.model, how)
                     replica.set_state(S.FAILED, f"{how} before it was ever ready")
                     return
             if ready_at is not None and time.monotonic() - ready_at > STABLE_AFTER_S:
@@ -411,6 +434,22 @@ class EnginePool:
         if forked is not None:
             return forked
         return await spawn([*die_with_gateway(), *self.launcher, *flags], self.cwd)
+
+    async def _watch_load(self, replica: Replica) -> None:
+        """Polls the starting engine's /status for its start-up stage (replica.progress), with a
+        log line per new stage, until cancelled (the pool stops it when the start ends)."""
+        while replica.state is S.STARTING:
+            seen = reported_progress(
+                await self.client.status(replica.url, timeout_s=4 * PROGRESS_POLL_S)
+            )
+            if seen is not None and replica.state is S.STARTING:
+                new = replica.progress is None or seen.stage != replica.progress.stage
+                if new and seen.stage not in BETWEEN_PHASES:
+                    took = time.monotonic() - replica.since
+                    log.info("replica %s#%d loading: %s (%.1fs after its start)",
+                             replica.model, replica.index, seen.stage, took)  # fmt: skip
+                replica.progress = seen
+            await asyncio.sleep(PROGRESS_POLL_S)
 
     async def _wait_ready(self, replica: Replica, state: ReplicaState) -> bool:
         """Polls /ready while the replica stays in ``state`` and its process runs."""
@@ -443,4 +482,14 @@ class EnginePool:
                 await asyncio.wait_for(asyncio.shield(supervisor), 5)
             supervisor.cancel()
         if replica.state is S.STOPPING:
-            replica.set_state(S.STOPPED)
+            code = proc.returncode if proc is not None else None
+            replica.set_state(S.STOPPED, exit_reason(code) if code is not None else "")
+
+
+def _how_started(proc: EngineProcess) -> str:
+    return "forked from its template" if isinstance(proc, ForkedEngine) else "exec'd"
+
+
+def _marker(event: str) -> str:
+    """A line of the pool's own in an engine's log file, set apart from the engine's."""
+    return f"==> modelyard {time.strftime('%Y-%m-%d %H:%M:%S')}: {event} <=="

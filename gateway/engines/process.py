@@ -1,9 +1,8 @@
 """An engine process as the pool runs it: its command line, spawning it so that it dies with the
-gateway, relaying its output (and keeping the last lines for ``/admin/models``), signalling it,
-telling how it ended (a signal, or its own exit), and the engine endpoints the pool calls
-(``/ready``, ``/status``, ``/sleep``, ``/wake_up``). An engine is exec'd here (``spawn``) or
-forked by an engine template (gateway/engines/template.py); the pool sees either through
-``EngineProcess``."""
+gateway, relaying its output into its log file (gateway/engines/logs.py), signalling it, telling
+how it ended (a signal, or its own exit), and the engine endpoints the pool calls (``/ready``,
+``/status``, ``/sleep``, ``/wake_up``). An engine is exec'd here (``spawn``) or forked by an
+engine template (gateway/engines/template.py); the pool sees either through ``EngineProcess``."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import os
 import signal
 import sys
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -21,6 +19,7 @@ import aiohttp
 
 from common.engine_args import EngineArgs
 from gateway.config import ModelConfig
+from gateway.engines.logs import EngineLog
 
 ENGINE_LAUNCHER = (sys.executable, "-m", "engine")
 CRASH_NOTICE_S = 0.5  # how long an engine's exit may take to show after its connections dropped
@@ -98,22 +97,21 @@ async def spawn(command: list[str], cwd: str | None) -> asyncio.subprocess.Proce
     )
 
 
-async def relay_output(proc: EngineProcess, tail: deque[str]) -> None:
-    """Copies the engine's output to the gateway's stderr (its stdout is the access log), line by
-    line, keeping the last ``tail.maxlen`` lines; returns at the engine's end of output."""
+async def relay_output(proc: EngineProcess, output: EngineLog) -> None:
+    """Copies the engine's output into its log, line by line; returns at the engine's end of
+    output, the file closed."""
     assert proc.stdout is not None
-    while True:
-        try:
-            line = await proc.stdout.readline()
-        except ValueError:  # a line longer than the stream's limit: take what is there
-            line = await proc.stdout.read(1 << 16)
-        if not line:
-            return
-        text = line.decode(errors="replace").rstrip("\n")
-        tail.append(text[:1000])
-        with contextlib.suppress(OSError):
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
+    try:
+        while True:
+            try:
+                line = await proc.stdout.readline()
+            except ValueError:  # a line longer than the stream's limit: take what is there
+                line = await proc.stdout.read(1 << 16)
+            if not line:
+                return
+            output.write(line.decode(errors="replace").rstrip("\n"))
+    finally:
+        output.close()
 
 
 def send_signal(proc: EngineProcess | None, sig: int = signal.SIGTERM) -> None:
@@ -181,10 +179,12 @@ class EngineClient:
                 return resp.status == 200
         return False
 
-    async def status(self, url: str) -> dict[str, Any] | None:
-        """The engine's ``GET /status`` (its measured memory), None when it does not answer."""
+    async def status(self, url: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
+        """The engine's ``GET /status`` (its measured memory, its start-up stage), None when it
+        does not answer."""
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            async with self.session.get(url + "/status") as resp:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with self.session.get(url + "/status", timeout=timeout) as resp:
                 if resp.status == 200:
                     body = await resp.json()
                     return body if isinstance(body, dict) else None

@@ -23,7 +23,6 @@ loudly instead of leaving a replica in a state nobody planned for.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import enum
 import logging
@@ -31,12 +30,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.backend import Backend
 from gateway.config import ModelConfig
+from gateway.engines.logs import EngineLog
 from gateway.engines.process import EngineProcess
+from gateway.engines.progress import LoadProgress
 
 log = logging.getLogger("modelyard.pool")
 
 LOG_TAIL_LINES = 20
+LOG_LINE_CHARS = 1000  # of each, in /admin/models
 
 
 class ReplicaState(enum.Enum):
@@ -99,9 +102,9 @@ class Replica:
     # may grow by; parked: its floor); None until measured, and again at every transition.
     measured_bytes: int | None = None
     left_after_s: float = 0.0  # how long the state it last left had lasted
-    log_tail: collections.deque[str] = field(
-        default_factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES)
-    )
+    reason: str = ""  # why it entered the current state, as logged
+    log: EngineLog | None = None  # where its engine's output goes (the pool sets it)
+    progress: LoadProgress | None = None  # while STARTING: the engine's start-up stage
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set on every transition
     _state: ReplicaState = ReplicaState.STOPPED
 
@@ -122,9 +125,11 @@ class Replica:
             )
         self._state = new
         self.measured_bytes = None
+        self.reason = why
         now = time.monotonic()
         self.left_after_s, self.since = now - self.since, now
-        log.info(
+        log.log(
+            logging.WARNING if new in (S.BACKOFF, S.FAILED) else logging.INFO,
             "replica %s#%d: %s -> %s%s",
             self.model,
             self.index,
@@ -154,7 +159,13 @@ class Replica:
             "uptime_s": round(now - self.started_at, 3) if proc else None,
             "restarts": self.restarts,
             "measured_bytes": self.measured_bytes,
+            "log": str(self.log.path) if self.log else None,
         }
+        if self._state is S.READY:
+            info["draining"] = isinstance(self.backend, Backend) and self.backend.draining
+        if self._state is S.STARTING and self.progress is not None:
+            info["progress"] = self.progress.describe()
         if self._state in (S.FAILED, S.BACKOFF):
-            info["last_log_lines"] = list(self.log_tail)
+            tail = self.log.tail(LOG_TAIL_LINES) if self.log else []
+            info["last_log_lines"] = [line[:LOG_LINE_CHARS] for line in tail]
         return info

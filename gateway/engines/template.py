@@ -19,7 +19,6 @@ kill.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import enum
 import itertools
@@ -46,6 +45,7 @@ from common.template_wire import (
     send,
     template_argv,
 )
+from gateway.engines.logs import EngineLog, EngineLogs
 from gateway.engines.process import die_with_gateway, relay_output, send_signal
 
 log = logging.getLogger("modelyard.pool")
@@ -55,7 +55,12 @@ FORK_TIMEOUT_S = 10.0  # a fork request's answer (a fork takes milliseconds)
 RESTART_AFTER_S = 30.0  # after a template died, engines are exec'd this long before a new try
 STOP_TIMEOUT_S = 5.0
 ORPHAN_WAIT_S = 5.0  # an engine whose template died is gone within this (its death signal)
-LOG_TAIL_LINES = 20
+LOG_TAIL_LINES = 20  # of its output, in the warning when it is gone
+
+
+def wait_policy(spin_wait: bool) -> str:
+    """A template's name: its OpenMP wait policy."""
+    return "spin-wait" if spin_wait else "passive"
 
 
 class TemplateUnavailable(RuntimeError):
@@ -102,15 +107,17 @@ class EngineTemplate:
     """One template process and its socket: start, fork, stop; the engines it forked, until
     each is reaped."""
 
-    def __init__(self, spin_wait: bool, cwd: str | None, module: str = TEMPLATE_MODULE) -> None:
+    def __init__(
+        self, spin_wait: bool, cwd: str | None, output: EngineLog, module: str = TEMPLATE_MODULE
+    ) -> None:
         self.spin_wait = spin_wait
         self.cwd = cwd
+        self.output = output  # its own output (its engines' go to theirs)
         self.module = module
         self.state = TemplateState.STARTING  # made to be started
         self.gone_at = 0.0
         self.proc: asyncio.subprocess.Process | None = None
         self.engines: dict[int, ForkedEngine] = {}
-        self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._sock: socket.socket | None = None
         self._ready = asyncio.Event()
         # fork requests awaiting their answer: the engine's future and its output pipe's read end
@@ -122,7 +129,7 @@ class EngineTemplate:
 
     @property
     def policy(self) -> str:
-        return "spin-wait" if self.spin_wait else "passive"
+        return wait_policy(self.spin_wait)
 
     def start(self) -> None:
         """Spawns it in the background; ``wait_ready`` for its imports."""
@@ -159,7 +166,7 @@ class EngineTemplate:
         self._sock = ours
         log.info("engine template (%s) starting: pid %d", self.policy, self.proc.pid)
         self._tasks = [
-            asyncio.create_task(relay_output(self.proc, self.log_tail)),
+            asyncio.create_task(relay_output(self.proc, self.output)),
             asyncio.create_task(self._read()),
         ]
 
@@ -308,7 +315,8 @@ class EngineTemplate:
                 answer.set_exception(TemplateUnavailable(f"the template is gone: {why}"))
         if was is not TemplateState.STOPPING:
             log.warning("engine template (%s) gone (%s); %d engines die with it; last lines:\n%s",
-                        self.policy, why, len(self.engines), "\n".join(self.log_tail))  # fmt: skip
+                        self.policy, why, len(self.engines),
+                        "\n".join(self.output.tail(LOG_TAIL_LINES)))  # fmt: skip
         orphans, self.engines = list(self.engines.values()), {}
         for engine in orphans:
             self._tasks.append(asyncio.create_task(_reap_orphan(engine)))
@@ -339,8 +347,9 @@ class EngineTemplates:
     """The pool's templates, one per wait policy: which are wanted (``configure``), forking
     through the right one, falling back (None) when it is not there, restarting it later."""
 
-    def __init__(self, cwd: str | None, module: str = TEMPLATE_MODULE) -> None:
+    def __init__(self, cwd: str | None, logs: EngineLogs, module: str = TEMPLATE_MODULE) -> None:
         self.cwd = cwd
+        self.logs = logs  # where each template's own output goes
         self.module = module  # what `python -m` runs as the template
         self.enabled = False
         self.wanted: set[bool] = set()  # the wait policies (spin-wait or not) local models use
@@ -374,7 +383,6 @@ class EngineTemplates:
             log.warning("engine template (%s) could not fork (%s): starting the engine without it",
                         template.policy, error)  # fmt: skip
             return None
-        log.info("engine forked from the template (%s): pid %d", template.policy, engine.pid)
         self._background(self._retire_after(engine))
         return engine
 
@@ -412,7 +420,8 @@ class EngineTemplates:
             or time.monotonic() - template.gone_at < RESTART_AFTER_S
         ):
             return template
-        template = EngineTemplate(spin_wait, self.cwd, self.module)
+        output = self.logs.template(wait_policy(spin_wait))
+        template = EngineTemplate(spin_wait, self.cwd, output, self.module)
         self._templates[spin_wait] = template
         template.start()
         return template

@@ -456,6 +456,23 @@ class ResidencyManager:
             return None
         return round(max(0.0, res.config.idle_ttl_s - idle_s), 3)
 
+    def load_state(self, name: str) -> str:
+        """Where the load of ``name`` stands, for its held requests' refusals: each replica on its
+        way (its start-up stage, or waking, or its backoff after a crash)."""
+        now = time.monotonic()
+        coming = [r for r in self.pool.replicas.get(name, []) if r.state in COMING]
+        if not coming:
+            res = self.models.get(name)
+            loading = res is not None and res.loading is not None and not res.loading.done()
+            return "it waits for room in the memory budget" if loading else "no replica is loading"
+        states = []
+        for replica in coming:
+            state = f"replica {replica.index} {replica.state.value} for {now - replica.since:.1f}s"
+            if replica.state is S.STARTING and replica.progress is not None:
+                state += f", in stage {replica.progress}"
+            states.append(state)
+        return "; ".join(states)
+
     def budget(self) -> dict[str, object]:
         residents = self._residents()
         return {

@@ -70,6 +70,9 @@ class Gateway:
     def __init__(self, name: str, document: dict[str, Any], log_dir: Path) -> None:
         self.name = name
         self.config = log_dir / f"{name}.models.yaml"
+        # the engines' log files beside the gateway's, not in the user's cache folder
+        gateway = {"engine_logs": {"dir": str(log_dir / f"{name}.engines")}, **document["gateway"]}
+        document = {**document, "gateway": gateway}
         self.config.write_text(yaml.safe_dump(document, sort_keys=False))
         self.log_path = log_dir / f"{name}.log"
         self.port = free_port()

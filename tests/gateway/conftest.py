@@ -18,7 +18,7 @@ from aiohttp import web
 from common.net import free_port
 from gateway.admission import Seat
 from gateway.admission.control import ANONYMOUS
-from gateway.admission.line import ModelLine, nothing_coming
+from gateway.admission.line import ModelLine, no_load, nothing_coming
 from gateway.app import Gateway, create_app
 from gateway.config import load_config, parse_config
 from gateway.engines import pool as gateway_pool
@@ -26,6 +26,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.router import ModelRoute, Router
 from gateway.server import GatewayRunner
 from scripts.mock_upstream import MockUpstream
+from tests.gateway.serve_process import with_engine_logs
 
 FAKE_ENGINE = (sys.executable, str(Path(__file__).with_name("fake_engine.py")))
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +100,7 @@ def model_route(**model: Any) -> ModelRoute:
 
 def seat(route: ModelRoute) -> Seat:
     """A seat in a line of ``route``'s own, for an Exchange built by hand."""
-    return Seat(ModelLine(route, GatewayMetrics(), nothing_coming), ANONYMOUS, 0)
+    return Seat(ModelLine(route, GatewayMetrics(), nothing_coming, no_load), ANONYMOUS, 0)
 
 
 class RunningGateway:
@@ -130,7 +131,7 @@ async def start_gateway(tmp_path: Path) -> AsyncIterator:
         env: dict[str, str] | None = None,
     ) -> RunningGateway:
         path = tmp_path / "models.yaml"
-        path.write_text(yaml.safe_dump(document))
+        path.write_text(yaml.safe_dump(with_engine_logs(document, tmp_path / "engines")))
         with _env(env or {}):
             config = load_config(path)
         gateway = Gateway(config, str(path))
@@ -174,7 +175,7 @@ async def pooled(tmp_path, monkeypatch):
 
     async def start(doc: dict):
         path = tmp_path / "models.yaml"
-        path.write_text(yaml.safe_dump(doc))
+        path.write_text(yaml.safe_dump(with_engine_logs(doc, tmp_path / "engines")))
         gateway = Gateway(load_config(path), str(path), engine_launcher=FAKE_ENGINE)
         runner = web.AppRunner(create_app(gateway), handler_cancellation=True)
         await runner.setup()

@@ -1,7 +1,9 @@
 """Stands in for ``python -m engine`` in pool tests: takes the engine's flags, serves the mock
 upstream's API under ``--served-model-name``, and answers /ready only after ``--ready-delay-s``.
 It parks and wakes as the engine does (``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``:
-asleep, /ready and completions answer 503) and reports a memory footprint on ``GET /status``.
+asleep, /ready and completions answer 503) and reports a memory footprint on ``GET /status``, and
+its start-up stage there: ``weights`` with a percent growing over ``--ready-delay-s`` (but its
+last ``--between-phases-s``, ``loading``: no phase running), then ``ready``.
 
 Test-only flags (passed through ``engine_args`` in models.yaml): ``--ready-delay-s S``,
 ``--fail-start`` (exit 3 at once, as an engine with a bad model would), ``--first-start-only PATH``
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--rss-bytes", type=int, default=0)
     parser.add_argument("--parked-rss-bytes", type=int, default=0)
     parser.add_argument("--crash-after-ready-s", type=float, default=None)
+    parser.add_argument("--between-phases-s", type=float, default=0.0)
     args, _engine_flags = parser.parse_known_args()
     marker = args.first_start_only
     if args.fail_start or not Path(args.model).exists() or (marker and marker.exists()):
@@ -50,8 +53,10 @@ def main() -> None:
         sys.exit(3)
     if marker:
         marker.touch()
+    print(f"fake engine: loading {args.model}", flush=True)
     mock = MockServer(args.served_model_name)
-    ready_at = time.monotonic() + args.ready_delay_s
+    started = time.monotonic()
+    ready_at = started + args.ready_delay_s
     sleeping = {"now": False, "parks": 0, "wakes": 0}
     base_ready = mock.ready
     base_completions = mock.completions
@@ -96,11 +101,21 @@ def main() -> None:
         sleeping["wakes"] += 1
         return web.json_response({"is_sleeping": False})
 
+    def startup() -> dict:
+        now = time.monotonic()
+        if now >= ready_at:
+            return {"stage": "ready", "percent": None, "stage_s": round(now - ready_at, 3)}
+        if now >= ready_at - args.between_phases_s:
+            return {"stage": "loading", "percent": None, "stage_s": 0.0}
+        percent = round(100 * (now - started) / args.ready_delay_s, 1)
+        return {"stage": "weights", "percent": percent, "stage_s": round(now - started, 3)}
+
     async def status(request: web.Request) -> web.Response:
         rss = args.parked_rss_bytes if sleeping["now"] else args.rss_bytes
         memory = {"rss_bytes": rss} if rss else {}
         park = {"parks": sleeping["parks"], "wakes": sleeping["wakes"]}
-        body = {"sleeping": sleeping["now"], "device": "cpu", "memory": memory, "park": park}
+        body = {"sleeping": sleeping["now"], "device": "cpu", "memory": memory, "park": park,
+                "startup": startup()}  # fmt: skip
         return web.json_response(body)
 
     mock.ready = ready  # type: ignore[method-assign]

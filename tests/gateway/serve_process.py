@@ -24,6 +24,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_ENGINE = shlex.join([sys.executable, str(Path(__file__).with_name("fake_engine.py"))])
 
 
+def with_engine_logs(document: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``document`` with its engines' log files in ``folder`` (the test's own, rather than one
+    under the user's cache folder), unless it names a folder itself."""
+    gateway = dict(document.get("gateway") or {})
+    gateway.setdefault("engine_logs", {"dir": str(folder)})
+    return {**document, "gateway": gateway}
+
+
 def http_get(url: str, timeout: float = 2.0, token: str | None = None) -> tuple[int, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
@@ -57,6 +65,7 @@ class ServeProcess:
         self.admin_key = admin_key
         self.config = tmp_path / "models.yaml"
         if document is not None:
+            document = with_engine_logs(document, tmp_path / "engines")
             self.config.write_text(yaml.safe_dump(document))
             models_args = ["-c", str(self.config)]
         self.url = f"http://127.0.0.1:{port}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import logging
 import os
 import signal
@@ -29,7 +28,9 @@ from common.engine_args import SPIN_WAIT_FLAG
 from common.net import free_port
 from common.template_wire import CMDLINE_ROOM_FLAG, SOCKET_FD_FLAG, WireError, decode, encode
 from engine.template.cmdline import fit
+from gateway.config.schema import EngineLogSettings
 from gateway.engines import template as template_module
+from gateway.engines.logs import EngineLog, EngineLogs
 from gateway.engines.process import exit_reason, has_exited, relay_output
 from gateway.engines.replica import ReplicaState
 from gateway.engines.template import (
@@ -97,12 +98,13 @@ def test_the_thread_check_sees_a_thread_that_python_does_not_know_of_too():
 
 
 @pytest.fixture
-async def light_templates():
+async def light_templates(tmp_path):
     """EngineTemplates whose template is this module (no imports: it forks in milliseconds)."""
     made: list[EngineTemplates] = []
+    logs = EngineLogs(EngineLogSettings(), tmp_path / "logs")
 
     def make(module: str = LIGHT_TEMPLATE) -> EngineTemplates:
-        templates = EngineTemplates(str(REPO_ROOT), module=module)
+        templates = EngineTemplates(str(REPO_ROOT), logs, module=module)
         templates.configure(True, {False})
         made.append(templates)
         return templates
@@ -112,21 +114,22 @@ async def light_templates():
         await templates.stop()
 
 
-async def fork(templates: EngineTemplates, *argv: str) -> tuple[ForkedEngine, collections.deque]:
+async def fork(templates: EngineTemplates, *argv: str) -> tuple[ForkedEngine, EngineLog]:
     engine = await templates.fork(list(argv), str(REPO_ROOT), spin_wait=False)
     assert isinstance(engine, ForkedEngine)
-    tail: collections.deque[str] = collections.deque(maxlen=50)
-    engine.relay = asyncio.create_task(relay_output(engine, tail))  # type: ignore[attr-defined]
-    return engine, tail
+    output = templates.logs.replica("m", engine.pid)
+    engine.relay = asyncio.create_task(relay_output(engine, output))  # type: ignore[attr-defined]
+    return engine, output
 
 
 @linux_only
 async def test_a_forked_engine_gets_its_output_pipe_session_and_exit_status(light_templates):
     templates = light_templates()
-    engine, tail = await fork(templates, "--model", "/nowhere/model.gguf")
+    engine, output = await fork(templates, "--model", "/nowhere/model.gguf")
     assert await asyncio.wait_for(engine.wait(), 30) == 2  # the engine's CLI refused the flag
     await engine.relay  # type: ignore[attr-defined]
-    assert any("--model /nowhere/model.gguf: no such file or directory" in line for line in tail)
+    assert any("--model /nowhere/model.gguf: no such file or directory" in line
+               for line in output.tail(50))  # fmt: skip
     assert engine.returncode == 2 and has_exited(engine)
     (template,) = templates.describe()
     assert template["state"] == "ready" and template["engines"] == 0
@@ -220,7 +223,7 @@ async def test_a_forked_engine_killed_while_starting_restarts_forked_and_answers
         replica = await starting(gateway, "od", spawns, 1)
         first = replica.proc
         assert isinstance(first, ForkedEngine)
-        await wait_for(lambda: any("loading model" in line for line in replica.log_tail), 60)
+        await wait_for(lambda: any("loading model" in line for line in replica.log.tail(50)), 60)
         os.kill(first.pid, signal.SIGKILL)
         status, text = await asyncio.wait_for(held, 180)
         client.ready = ready  # type: ignore[method-assign]
@@ -324,7 +327,8 @@ async def test_a_templates_state_changes_only_along_its_transition_table() -> No
     """Every state has its row; a template becomes ready only while starting, and a gone one
     stays gone (a new template replaces it)."""
     assert set(TEMPLATE_TRANSITIONS) == set(TemplateState)
-    template = EngineTemplate(spin_wait=False, cwd=None)
+    output = EngineLog(Path("/nonexistent/template.log"), 2**20, 1)  # never written here
+    template = EngineTemplate(spin_wait=False, cwd=None, output=output)
     assert template.state is TemplateState.STARTING
     template._set_state(TemplateState.READY)
     with pytest.raises(RuntimeError, match="ready -> starting"):

@@ -28,6 +28,7 @@ from gateway.engines.process import exit_reason
 from gateway.engines.replica import Replica, ReplicaState
 from gateway.residency import manager as manager_module
 from tests.gateway.conftest import REPO_ROOT
+from tests.gateway.serve_process import with_engine_logs
 from tests.gateway.test_residency import fleet, on_demand, request, sample, states
 from tests.gateway.test_resilience import wait_for
 
@@ -232,7 +233,7 @@ async def engines(tmp_path, monkeypatch):
 
     async def start(doc: dict, before=None):
         path = tmp_path / "models.yaml"
-        path.write_text(yaml.safe_dump(doc))
+        path.write_text(yaml.safe_dump(with_engine_logs(doc, tmp_path / "engines")))
         config = load_config(path)
         if before is not None:
             before()
@@ -295,7 +296,7 @@ async def test_real_engine_killed_while_starting_and_while_waking_serves_without
         client.ready = not_the_first_engine  # type: ignore[method-assign]
         held = [asyncio.create_task(complete(session, url, "od")) for _ in range(3)]
         replica = await starting(gateway, "od", spawns, 1)
-        await wait_for(lambda: any("loading model" in line for line in replica.log_tail), 60)
+        await wait_for(lambda: any("loading model" in line for line in replica.log.tail(50)), 60)
         assert replica.state is S.STARTING
         os.kill(replica.proc.pid, signal.SIGKILL)  # while it loads its weights
         answers = await asyncio.wait_for(asyncio.gather(*held), 120)

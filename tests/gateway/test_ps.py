@@ -205,7 +205,7 @@ def test_table_shows_what_the_admin_api_says(fleet: Fleet):
         )
         assert row["RUN"] == str(replica["in_flight"])
         assert (row["ALIASES"], row["QUEUED"], row["TOK/S"], row["IDLE"]) == ("-", "-", "-", "-")
-        assert 0 < seconds(row["UP"]) <= replica["uptime_s"] < seconds(row["UP"]) + 3
+        assert seconds(row["UP"]) <= replica["uptime_s"] < seconds(row["UP"]) + 3  # 0s: <1 s up
     assert sorted(r["in_flight"] for r in chat["replicas"]) == [0, 1]
     assert seconds(by_name["chat"]["UP"]) == max(
         seconds(by_name[f"chat#{i}"]["UP"]) for i in (0, 1)

@@ -8,6 +8,8 @@ import itertools
 import pytest
 
 from gateway.config import ModelConfig
+from gateway.engines.logs import EngineLog
+from gateway.engines.progress import LoadProgress
 from gateway.engines.replica import TRANSITIONS, InvalidTransition, Replica, ReplicaState
 from gateway.metrics import GatewayMetrics
 
@@ -52,12 +54,25 @@ def test_other_transitions_are_refused(old, new):
     assert replica.state is old and seen == []
 
 
-def test_failed_and_backoff_show_the_last_log_lines():
+def test_failed_and_backoff_show_the_last_log_lines_from_its_file(tmp_path):
     replica = replica_in(S.STARTING, [])
-    replica.log_tail.extend(["loading", "Traceback", "OSError: no such file"])
-    assert "last_log_lines" not in replica.describe()
+    replica.log = EngineLog(tmp_path / "replica-0.log", 2**20, 2)
+    for line in ["x" * 5000, "loading", "Traceback", "OSError: no such file"]:
+        replica.log.write(line)
+    info = replica.describe()
+    assert "last_log_lines" not in info and info["log"] == str(tmp_path / "replica-0.log")
     replica.set_state(S.FAILED)
-    assert replica.describe()["last_log_lines"] == ["loading", "Traceback", "OSError: no such file"]
+    shown = replica.describe()["last_log_lines"]
+    assert shown == ["x" * 1000, "loading", "Traceback", "OSError: no such file"]
+
+
+def test_a_starting_replica_shows_its_load_progress_and_only_then():
+    replica = replica_in(S.STARTING, [])
+    replica.progress = LoadProgress("weights", 45.0)
+    assert replica.describe()["progress"]["stage"] == "weights"
+    assert replica.describe()["progress"]["percent"] == 45.0
+    replica.set_state(S.READY)
+    assert "progress" not in replica.describe()
 
 
 def test_metrics_follow_the_state_and_forget_a_stopped_replica():

@@ -1,6 +1,7 @@
 """Residency with real engine processes (``modelyard serve`` over a tiny local Llama): an on-demand
 model starts at its first request, parks after its idle TTL (the engine's memory measured before
-and after), and wakes at the next request with the same greedy answer from the same process."""
+and after), and wakes at the next request with the same greedy answer from the same process. The
+engine's output goes to its replica's log file, not to the gateway's log."""
 
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ def test_on_demand_engine_loads_parks_and_wakes_with_the_same_answer(gateway):
     assert awake["state"] == "ready"
     pid = awake["replicas"][0]["pid"]
     assert pid in descendants(gateway.proc.pid)  # a child of its engine template, or exec'd
+    engine_log = Path(awake["replicas"][0]["log"]).read_text()
+    assert "loading model" in engine_log and "ready " in engine_log  # the engine's own lines
+    assert "loading model" not in gateway.stderr(tail=None)
     parked = wait_state(gateway, "od", "parked", timeout=30)
     footprint = parked["footprint"]
     assert footprint["source"] == "measured"
@@ -81,6 +85,7 @@ def test_on_demand_engine_loads_parks_and_wakes_with_the_same_answer(gateway):
     engine = parked["replicas"][0]["url"]
     status, engine_status = http_get(engine + "/status")
     assert status == 200 and engine_status["sleeping"] is True
+    assert engine_status["startup"]["stage"] == "ready"
     assert engine_status["memory"]["kv_cache_bytes"] == 0
     assert [complete(gateway.url, "od", p) for p in prompts] == first  # woken: same answers
     woken = model_info(gateway, "od")

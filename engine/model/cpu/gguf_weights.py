@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from engine import startup
 from engine.model.cpu.gguf_file import GgufFile
 from engine.model.cpu.quant_formats import GGUF_BLOCKS, QuantizedWeight, from_gguf_blocks
 from engine.model.cpu.quantize import narrowable_embedding
@@ -54,7 +55,8 @@ class GgufWeights:
         embeddings whose blocks a narrow format holds stay on the meta device for `native`."""
         blockable = _blockable_parameters(model) if keep_blocks else set()
         dense: dict[str, torch.Tensor] = {}
-        for name, tensor in self._tensors.items():
+        for done, (name, tensor) in enumerate(self._tensors.items()):
+            startup.progress(done, len(self._tensors))  # the engine's /status shows it
             if self._hf_names.get(name) in blockable and self._row_order(name, tensor) is not None:
                 continue
             dense.update(self._dense(name, tensor))

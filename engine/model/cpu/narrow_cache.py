@@ -22,7 +22,8 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.model.cache_dir import cache_root, remove_stale
+from common.cache_dir import cache_root
+from engine.model.cache_dir import remove_stale
 from engine.model.cpu.quant_formats import QuantizedWeight
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from engine.model.cache_dir import cache_root, remove_stale
+from common.cache_dir import cache_root
+from engine.model.cache_dir import remove_stale
 
 log = logging.getLogger(__name__)
 

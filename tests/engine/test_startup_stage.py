@@ -1,0 +1,69 @@
+"""The engine's start-up stage (engine/startup.py): the innermost phase running with its percent,
+``loading`` between phases and ``ready`` once loaded; and ``GET /status`` answering it while the
+model loads (the gateway's load progress reads it: gateway/engines/progress.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import aiohttp
+import pytest
+
+from engine import startup
+from tests.fake_core import FakeCore
+from tests.server_utils import InProcessServer
+
+
+@pytest.fixture(autouse=True)
+def fresh_start(monkeypatch):
+    """This process's start-up record, as a new engine's."""
+    monkeypatch.setattr(startup, "_phases", {})
+    monkeypatch.setattr(startup, "_running", [])
+    monkeypatch.setattr(startup, "_loaded", False)
+    startup.mark_process_start(time.monotonic())
+
+
+def test_the_stage_is_the_innermost_phase_with_its_percent():
+    assert startup.stage()["stage"] == "loading"
+    with startup.phase("narrow weights"):
+        assert startup.stage()["stage"] == "narrow weights"
+        with startup.phase("kernels"):
+            startup.progress(3, 4)
+            inner = startup.stage()
+            assert (inner["stage"], inner["percent"]) == ("kernels", 75.0)
+        outer = startup.stage()
+        assert (outer["stage"], outer["percent"]) == ("narrow weights", None)
+        startup.progress(9, 4)  # never past 100
+        assert startup.stage()["percent"] == 100.0
+    between = startup.stage()
+    assert between["stage"] == "loading" and between["stage_s"] < 1.0
+    assert list(startup.phases()) == ["kernels", "narrow weights"]
+    startup.progress(1, 2)  # no phase runs: nothing to count
+    assert startup.stage()["percent"] is None
+    startup.mark_loaded()
+    ready = startup.stage()
+    assert ready["stage"] == "ready" and ready["since_start_s"] >= ready["stage_s"] >= 0
+
+
+async def test_status_answers_the_stage_while_the_model_loads(tokenizer):
+    gate = threading.Event()
+
+    def slow_core() -> FakeCore:
+        with startup.phase("weights"):
+            startup.progress(1, 4)
+            gate.wait(10)
+        return FakeCore(tokenizer)
+
+    srv = await InProcessServer(slow_core, ["tiny"]).start(wait_loaded=False)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(srv.url + "/status") as reply:
+                assert reply.status == 200
+                loading = (await reply.json())["startup"]
+            assert (loading["stage"], loading["percent"]) == ("weights", 25.0)
+            async with session.get(srv.url + "/ready") as reply:
+                assert reply.status == 503
+    finally:
+        gate.set()
+        await srv.stop()
