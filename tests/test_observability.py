@@ -109,8 +109,10 @@ def test_dashboards_against_a_live_prometheus(
     since = time.time()
     gateway.wait_ready(replicas=1, timeout=60)
     # Scraped before any request, so that rate() sees the first event of every series there
-    # from the start at zero (the on-demand model's load time, its hold wait, ...).
-    wait_for_value(prometheus, f'count(modelyard_hold_queue_depth{{model="{ON_DEMAND}"}})', 1, 20)
+    # from the start at zero (the on-demand model's load time, its wait in the line, ...).
+    wait_for_value(
+        prometheus, f'count(modelyard_admission_queue_depth{{model="{ON_DEMAND}"}})', 1, 20
+    )
     wait_for_value(prometheus, 'sum(up{job="engines"})', 1, 20)
     # Held while it loads, once the pinned engine is up (< 1 s then; asked for while the pinned
     # one was still starting, it took about 5 s).

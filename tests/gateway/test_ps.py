@@ -304,7 +304,8 @@ def test_watch_shows_frames_until_interrupted(fleet: Fleet):
         frames = [json.loads(proc.stdout.readline()) for _ in range(2)]  # one list a line
         assert all({r["model"] for r in frame} >= {"chat", "od", "ext"} for frame in frames)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        proc.communicate(timeout=10)  # drained: a frame blocked on a full pipe must end too
+        assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             proc.kill()
