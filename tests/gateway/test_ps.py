@@ -297,7 +297,14 @@ def test_watch_shows_frames_until_interrupted(fleet: Fleet):
     env = {**os.environ, "MODELYARD_ADMIN_KEY": ADMIN}
     command = [sys.executable, "-m", "gateway.cli", "ps", "--url", fleet.url, "--json"]
     proc = subprocess.Popen(
-        [*command, "--watch", "0.2"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True
+        [*command, "--watch", "0.2"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        # Ctrl-C's default: a test run started in the background (a shell's `&`, as some CI
+        # runners do) ignores SIGINT, and its children would inherit that and never stop.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None
