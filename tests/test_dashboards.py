@@ -16,10 +16,13 @@ import yaml
 
 from common.net import free_port
 from dashboards.build_dashboards import DASHBOARDS
-from scripts import render_dashboards as rd
+from scripts import render_dashboards
+from scripts.dashboard_render import drawing, grafana, prometheus, units
 
 DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboards"
-WINDOW = rd.Window.choose(0, 3600, scrape=15)  # Grafana's defaults: the last hour, 15 s scrapes
+WINDOW = grafana.Window.choose(
+    0, 3600, scrape=15
+)  # Grafana's defaults: the last hour, 15 s scrapes
 
 
 def assert_dashboard_png(path: Path, board: dict) -> None:
@@ -27,7 +30,7 @@ def assert_dashboard_png(path: Path, board: dict) -> None:
     from PIL import Image
 
     with Image.open(path) as image:
-        assert (image.format, image.size) == ("PNG", rd.image_size(board))
+        assert (image.format, image.size) == ("PNG", drawing.image_size(board))
         image.verify()  # every chunk there and its checksum right
     assert path.stat().st_size > 20_000, "too small for panels with titles, axes and lines"
 
@@ -49,7 +52,7 @@ def test_every_query_is_valid_promql(name: str, tmp_path: Path) -> None:
                 "name": "dashboard",
                 "rules": [
                     {"record": f"dashboard:query{i}", "expr": expr}
-                    for i, expr in enumerate(rd.dashboard_queries(DASHBOARDS[name], WINDOW))
+                    for i, expr in enumerate(grafana.dashboard_queries(DASHBOARDS[name], WINDOW))
                 ],
             }
         ]
@@ -76,7 +79,7 @@ def test_example_prometheus_config_is_valid() -> None:
 
 @pytest.mark.parametrize("name", sorted(DASHBOARDS))
 def test_every_grafana_variable_is_filled_in(name: str) -> None:
-    queries = rd.dashboard_queries(DASHBOARDS[name], WINDOW)
+    queries = grafana.dashboard_queries(DASHBOARDS[name], WINDOW)
     assert len(queries) >= 10
     assert [q for q in queries if "$" in q or "[[" in q] == []
     assert any('=~".*"' in q for q in queries)  # $model at All
@@ -90,16 +93,16 @@ def test_every_grafana_variable_is_filled_in(name: str) -> None:
 def test_step_and_rate_interval_are_grafanas(
     window_s: float, scrape_s: float, step: float, rate_interval: float
 ) -> None:
-    window = rd.Window.choose(1000, 1000 + window_s, scrape_s)
+    window = grafana.Window.choose(1000, 1000 + window_s, scrape_s)
     assert (window.step, window.rate_interval) == (step, rate_interval)
     assert window.start % step == 0 and window.end % step == 0  # aligned, as Grafana does
 
 
 def test_window_from_the_command_line() -> None:
-    assert rd.parse_duration("1h30m") == 5400 and rd.parse_duration("500ms") == 0.5
-    assert rd.parse_time("2026-01-02T10:00:00Z") == rd.parse_time("1767348000")
+    assert grafana.parse_duration("1h30m") == 5400 and grafana.parse_duration("500ms") == 0.5
+    assert grafana.parse_time("2026-01-02T10:00:00Z") == grafana.parse_time("1767348000")
     with pytest.raises(ValueError):
-        rd.parse_duration("10 minutes")
+        grafana.parse_duration("10 minutes")
 
 
 @pytest.mark.parametrize(
@@ -113,7 +116,7 @@ def test_window_from_the_command_line() -> None:
     ],
 )
 def test_legend_is_grafanas(legend_format: str, labels: dict, expected: str) -> None:
-    assert rd.legend(legend_format, labels, "sum(up)") == expected
+    assert prometheus.legend(legend_format, labels, "sum(up)") == expected
 
 
 @pytest.mark.parametrize(
@@ -136,12 +139,14 @@ def test_legend_is_grafanas(legend_format: str, labels: dict, expected: str) -> 
     ],
 )
 def test_units_are_grafanas(unit: str, value: float, text: str) -> None:
-    assert rd.format_value(value, unit) == text
+    assert units.format_value(value, unit) == text
 
 
 def test_an_unreachable_prometheus_is_an_error(tmp_path: Path, capsys) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert rd.main(["--prometheus", url, "--since", "5m", "--out", str(tmp_path)]) == 2
+    assert (
+        render_dashboards.main(["--prometheus", url, "--since", "5m", "--out", str(tmp_path)]) == 2
+    )
     assert f"cannot reach Prometheus at {url}" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
@@ -159,8 +164,8 @@ def panel(kind: str, title: str, x: int, y: int, w: int = 12, unit: str = "s") -
 def test_every_kind_of_panel_is_drawn(tmp_path: Path) -> None:
     """A row, graphs with data, without and with a refused query, stats with and without."""
     t = [1000.0 + i for i in range(60)]
-    curve = rd.Series("p99 tiny", t, [0.1 + 0.01 * (i % 7) for i in range(60)])
-    only_nan = rd.Series("p99 idle", t, [math.nan] * 60)
+    curve = prometheus.Series("p99 tiny", t, [0.1 + 0.01 * (i % 7) for i in range(60)])
+    only_nan = prometheus.Series("p99 idle", t, [math.nan] * 60)
     board = {
         "uid": "synthetic",
         "title": "Synthetic",
@@ -174,13 +179,13 @@ def test_every_kind_of_panel_is_drawn(tmp_path: Path) -> None:
         ],
     }
     series = [[curve, only_nan], [only_nan], [], [curve], []]
-    panels = [rd.PanelData(board["panels"][0], [])] + [
-        rd.PanelData(p, [rd.TargetData("A", s)])
+    panels = [prometheus.PanelData(board["panels"][0], [])] + [
+        prometheus.PanelData(p, [prometheus.TargetData("A", s)])
         for p, s in zip(board["panels"][1:], series, strict=True)
     ]
     panels[3].targets[0].error = "bad_data: parse error"
-    window = rd.Window.choose(t[0], t[-1], scrape=1)
-    figure = rd.draw_dashboard(board, panels, window, tmp_path / "synthetic.png")
+    window = grafana.Window.choose(t[0], t[-1], scrape=1)
+    figure = drawing.draw_dashboard(board, panels, window, tmp_path / "synthetic.png")
 
     texts = [text.get_text() for text in figure.texts]
     assert texts.count("No data") == 2  # the NaN-only graph and the empty gauge
@@ -196,10 +201,10 @@ def test_every_kind_of_panel_is_drawn(tmp_path: Path) -> None:
 
 def test_a_lone_number_gets_a_dot_and_rates_start_at_zero() -> None:
     nan = math.nan
-    assert rd.isolated([nan, 1, nan, 2, 3, nan, 4]) == [1, 6]
+    assert drawing.isolated([nan, 1, nan, 2, 3, nan, 4]) == [1, 6]
 
     def limits(*values: float) -> tuple[float, float] | None:
-        return rd.y_limits([rd.Series("", list(range(len(values))), list(values))])
+        return drawing.y_limits([prometheus.Series("", list(range(len(values))), list(values))])
 
     assert limits(0, 0, nan) == (0, 1)
     assert limits(0.2, 0.5) == pytest.approx((0, 0.55))
@@ -208,7 +213,7 @@ def test_a_lone_number_gets_a_dot_and_rates_start_at_zero() -> None:
 
 
 def test_byte_axes_tick_at_round_binary_sizes() -> None:
-    assert rd.binary_tick_step("bytes", 18.6 * 2**30) == 5 * 2**30  # not 4.66 GiB
-    assert rd.binary_tick_step("bytes", 600 * 2**20) == 200 * 2**20
-    assert rd.binary_tick_step("bytes", 100) is None
-    assert rd.binary_tick_step("s", 2**30) is None
+    assert drawing.binary_tick_step("bytes", 18.6 * 2**30) == 5 * 2**30  # not 4.66 GiB
+    assert drawing.binary_tick_step("bytes", 600 * 2**20) == 200 * 2**20
+    assert drawing.binary_tick_step("bytes", 100) is None
+    assert drawing.binary_tick_step("s", 2**30) is None

@@ -19,6 +19,7 @@ import pytest
 from common.net import free_port
 from dashboards.build_dashboards import DASHBOARDS
 from scripts import render_dashboards
+from scripts.dashboard_render import grafana
 from scripts.live_prometheus import chat, instant_query, running_prometheus, wait_for_value
 from tests.gateway.serve_process import ServeProcess
 from tests.test_dashboards import assert_dashboard_png
@@ -30,14 +31,14 @@ REQUESTS_PER_KIND = 3  # non-streaming and streaming each, to MODEL
 MAX_TOKENS = 4
 METRIC_NAME = re.compile(r"\b(vllm:[a-zA-Z0-9_:]+|modelyard_[a-zA-Z0-9_]+)")
 LABEL_VALUES = re.compile(r"label_values\(([^,]+),")
-ANY_WINDOW = render_dashboards.Window.choose(0, 3600, scrape=1)
+ANY_WINDOW = grafana.Window.choose(0, 3600, scrape=1)
 
 
 def dashboard_metric_names() -> set[str]:
     names = {
         name
         for board in DASHBOARDS.values()
-        for expr in render_dashboards.dashboard_queries(board, ANY_WINDOW)
+        for expr in grafana.dashboard_queries(board, ANY_WINDOW)
         for name in METRIC_NAME.findall(expr)
     }
     for board in DASHBOARDS.values():  # the model pickers' label_values(metric, label)
