@@ -46,7 +46,7 @@ from common.processes import stop_process  # noqa: E402
 from scripts.bench_residency import run_record  # noqa: E402
 from scripts.measure import percentile, write_report  # noqa: E402
 from scripts.serving.engine_server import wait_ready  # noqa: E402
-from scripts.tiny_models import build_tiny_llama  # noqa: E402
+from scripts.tiny_models import build_tiny_llama, tiny_engine_entry  # noqa: E402
 
 PROMPT = [5, 6, 7]
 POLICIES = ("fair", "fcfs")
@@ -56,14 +56,7 @@ START_TIMEOUT_S = 120.0
 
 
 def models_yaml(source: Path, slots: int) -> dict[str, Any]:
-    engine = {
-        "source": str(source),
-        "device": "cpu",
-        "max_model_len": 256,
-        "max_num_seqs": max(4, slots),
-        "kv_cache_memory": "16MiB",
-        "engine_args": ["--num-threads", "1"],
-    }
+    engine = tiny_engine_entry(source, max_num_seqs=max(4, slots))
     keys = [
         {"name": name, "key_env": _env(name), "weight": weight}
         for name, (weight, _, _) in TENANTS.items()

@@ -273,3 +273,17 @@ def _randomise_norms(model: PreTrainedModel, mean: float) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(mean, 0.5)
+
+
+def tiny_engine_entry(source: Path, max_num_seqs: int = 4) -> dict[str, object]:
+    """The models.yaml keys of a local model served from a tiny model at ``source``: on the CPU,
+    256 tokens a sequence, 16 MiB of KV cache, one thread (tests and benchmarks that run several
+    engines on 2 cores)."""
+    return {
+        "source": str(source),
+        "device": "cpu",
+        "max_model_len": 256,
+        "max_num_seqs": max_num_seqs,
+        "kv_cache_memory": "16MiB",
+        "engine_args": ["--num-threads", "1"],
+    }

@@ -21,6 +21,7 @@ from dashboards.build_dashboards import DASHBOARDS
 from scripts import render_dashboards
 from scripts.dashboard_render import grafana
 from scripts.live_prometheus import chat, instant_query, running_prometheus, wait_for_value
+from scripts.tiny_models import tiny_engine_entry
 from tests.gateway.serve_process import ServeProcess
 from tests.test_dashboards import assert_dashboard_png
 
@@ -49,15 +50,7 @@ def dashboard_metric_names() -> set[str]:
 
 @pytest.fixture
 def gateway(tmp_path: Path, tiny_llama_dir: Path) -> Iterator[ServeProcess]:
-    model = {
-        "name": MODEL,
-        "source": str(tiny_llama_dir),
-        "device": "cpu",
-        "max_model_len": 256,
-        "max_num_seqs": 4,
-        "kv_cache_memory": "16MiB",
-        "engine_args": ["--num-threads", "1"],
-    }
+    model = {"name": MODEL, **tiny_engine_entry(tiny_llama_dir)}
     on_demand = {**model, "name": ON_DEMAND, "residency": "on_demand", "idle_ttl_s": 3600}
     document = {
         "gateway": {

@@ -23,6 +23,7 @@ import pytest
 
 from common.net import free_port
 from scripts.measure import percentile
+from scripts.tiny_models import tiny_engine_entry
 from tests.gateway.serve_process import ServeProcess, http_get
 
 PROMPT = [5, 6, 7]
@@ -47,14 +48,7 @@ def secret(name: str) -> str:
 def gateway(
     tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path
 ) -> Iterator[ServeProcess]:
-    engine = {
-        "source": str(tiny_llama_dir),
-        "device": "cpu",
-        "max_model_len": 256,
-        "max_num_seqs": 4,
-        "kv_cache_memory": "16MiB",
-        "engine_args": ["--num-threads", "1"],
-    }
+    engine = tiny_engine_entry(tiny_llama_dir)
     models = [
         {"name": "fair", **engine, "admission": {"max_in_flight": SLOTS, "policy": "fair"}},
         {"name": "fcfs", **engine, "admission": {"max_in_flight": SLOTS, "policy": "fcfs"}},
