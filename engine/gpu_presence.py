@@ -1,7 +1,8 @@
 """Triton stays out of an engine on a machine without a GPU. transformers' modeling modules import
-torch._dynamo, which imports Triton whenever it is installed: 70 MB of resident memory in every
-engine (and its template) and a tenth of a second of start-up, for kernels that cannot run
-without a GPU. The tests' CPU interpreter (``TRITON_INTERPRET``) keeps it."""
+torch._dynamo, which imports Triton whenever it is installed: tens of MB of resident memory in
+every engine (and its template) and start-up time (docs/PERFORMANCE.md#model-loading), for
+kernels that cannot run without a GPU. The tests' CPU interpreter (``TRITON_INTERPRET``) keeps
+it."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ tokenizer (engine.model.loader caches what it builds).
 
 transformers reads the metadata with gguf's GGUFReader, once for the config and once more for the
 tokenizer. The reader takes a few numpy views of the file's np.memmap per vocabulary string, and a
-memmap's view costs several times a plain array's (memmap.__array_finalize__): 9.8 s a read for
-Gemma 3's 262,144 tokens. Inside `fast_gguf_reads` the reader views the mapping as a plain array
-and each file is read once: Gemma's conversion 28 s -> 12 s on an AMD EPYC (Zen 4) core.
+memmap's view costs several times a plain array's (memmap.__array_finalize__), seconds for a
+large vocabulary. Inside `fast_gguf_reads` the reader views the mapping as a plain array and each
+file is read once (figures: docs/PERFORMANCE.md#model-loading).
 """
 
 from __future__ import annotations

@@ -193,8 +193,8 @@ def converted_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
     """The tokenizer _convert_gguf saved in ``folder``, built by the Rust library straight from
     its tokenizer.json. AutoTokenizer would parse that JSON in Python too and rebuild the Rust
     tokenizer from its vocabulary through the family's class (GemmaTokenizer, ...), whose code
-    only runs at such a construction: what it built is what the file holds. Gemma 3's 262,144
-    tokens: 1.3 s instead of 3.2 s, and 26 MB less."""
+    only runs at such a construction: what it built is what the file holds. Seconds less for a
+    large vocabulary (docs/PERFORMANCE.md#model-loading)."""
     settings = json.loads((folder / "tokenizer_config.json").read_text())
     template = folder / "chat_template.jinja"
     if template.is_file():

@@ -108,8 +108,8 @@ class GgufFile:
         return None
 
     def _skip_strings(self, count: int) -> None:
-        """Past ``count`` strings, reading only their lengths: the vocabulary (262,144 strings
-        for Gemma 3) in 0.05 s instead of 0.6 s decoding each."""
+        """Past ``count`` strings, reading only their lengths: a vocabulary of hundreds of
+        thousands of strings nobody reads is not decoded."""
         at, end, length = self._at, len(self._buffer), _LENGTH.unpack_from
         for _ in range(count):
             if at + 8 > end:
