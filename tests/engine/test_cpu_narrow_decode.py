@@ -203,7 +203,6 @@ def test_narrow_layers_match_the_layers_one_op_at_a_time(isa, fmt, kv_dtype, bia
     expected_x, delta = case.torch_layers(expected_pools)
     expected_x += delta
     expected_hidden = F.rms_norm(expected_x, (HIDDEN,), *case.final_norm)
-    expected_logits = reference(expected_hidden, _weight(case.lm_head), None)
     results = []
     for threads in (1, 2):
         kv = case.fresh_pools()
@@ -211,10 +210,16 @@ def test_narrow_layers_match_the_layers_one_op_at_a_time(isa, fmt, kv_dtype, bia
         out = case.run(decoder, threads, kv, out_x, logits=True, timed=threads == 2)
         torch.testing.assert_close(out_x, expected_x, rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(out.hidden, expected_hidden, rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(out.logits, expected_logits, rtol=2e-3, atol=2e-3)
+        # the head on the hidden state the step made: a hidden value within the tolerance above
+        # may still round to another int8 on its way into the head, moving every logit
+        head_logits = reference(out.hidden, _weight(case.lm_head), None)
+        torch.testing.assert_close(out.logits, head_logits, rtol=2e-3, atol=2e-3)
+        # a bf16 pool's values within one of its steps (2^-8 to 2^-7 of the value): the same
+        # K/V in fp32 may round either way
+        pool_rtol = 2**-7 if kv_dtype == torch.bfloat16 else 2e-3
         for got, want in zip(kv, expected_pools, strict=True):
             for g, w in zip(got, want, strict=True):
-                torch.testing.assert_close(g.float(), w.float(), rtol=2e-3, atol=2e-3)
+                torch.testing.assert_close(g.float(), w.float(), rtol=pool_rtol, atol=2e-3)
         if threads == 2:
             spans = out.spans
             assert len(spans) == len(case.layers)

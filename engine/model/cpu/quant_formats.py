@@ -7,24 +7,28 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
   GGUF's Q8_0, whose blocks load exactly).
 - ``int4``: ``w = d * q + m``, q in [0, 15], an fp32 scale and offset per block (d = (max - min) /
   15, m = min: GGUF's Q4_1; Q4_0's ``d * (q - 8)`` is the same with m = -8 d, so both load exactly).
+- ``int5``: ``w = d * q + m``, q in [0, 31], as int4 with a fifth bit: GGUF's Q5_0 (m = -16 d),
+  Q5_1 and Q5_K (a scale and an offset per 32), 28 bytes a block where int8 took 36.
 - ``int8k``: ``w = d_half * q + m``, q in [-128, 127], two fp32 scales per block (d_lo for elements
-  0-15, d_hi for 16-31) and one fp32 offset: the K-quants' scale per 16 (Q6_K, Q3_K) or per 32
-  with an offset (Q5_K), and Q5_1. Quantising into it centres each block (m = (max + min) / 2)
-  and scales each half symmetrically; int8 and int4 weights convert into it exactly (`as_format`),
-  so projections of mixed formats still fuse (`concatenate`).
+  0-15, d_hi for 16-31) and one fp32 offset: the K-quants' scale per 16 (Q6_K, Q3_K). Quantising
+  into it centres each block (m = (max + min) / 2) and scales each half symmetrically; int8, int4
+  and int5 weights convert into it exactly (`as_format`), so projections of mixed formats still
+  fuse (`concatenate`).
 
 A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8): per
 block of the column, int8: the scales, then the int8s; int4: the scales, the offsets, then the
 nibbles (16 bytes a block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's
-order); int8k: the low-half scales, the high-half scales, the offsets, then the int8s. Records of
+order); int5: int4's, then the fifth bits (4 bytes a block, a little-endian uint32 whose bit i is
+element i's, GGUF's order); int8k: the low-half scales, the high-half scales, the offsets, then
+the int8s. Records of
 one format and K concatenate, so fused projections are a torch.cat; rows permute with an index
 (kernels/quant_gemm.c reads them).
 
-GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 and Q5_0 (``d * (q - 16)``,
-q 5 bits) in int8; Q4_1, Q4_0 and Q4_K in int4, whose super-blocks of 256 carry 6-bit scales
-and offsets per 32 (``d * sc * q - dmin * m``); in int8k Q5_K (Q4_K's scales with 5-bit q), Q6_K
-(``d * sc * (q - 32)``, sc int8 per 16, q 6 bits), Q3_K (``d * (sc - 32) * q``, sc 6 bits per 16,
-q in [-4, 3]) and Q5_1 (``d * q + m``, q 5 bits). The products d * sc and dmin * m are exact in
+GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8; Q4_1, Q4_0 and Q4_K
+in int4, whose super-blocks of 256 carry 6-bit scales and offsets per 32 (``d * sc * q - dmin *
+m``); in int5 Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``) and Q5_K (Q4_K's scales with 5-bit
+q); in int8k Q6_K (``d * sc * (q - 32)``, sc int8 per 16, q 6 bits) and Q3_K (``d * (sc - 32) *
+q``, sc 6 bits per 16, q in [-4, 3]). The products d * sc and dmin * m are exact in
 fp32, being fp16 times integers of at most 8 bits (11 + 8 significant bits < 24), so each weight
 is gguf's own single rounding of that product times q (plus the offset). GGUF stores its scales
 in fp16; widening them to fp32 is exact.
@@ -39,21 +43,23 @@ import torch
 
 BLOCK = 32
 HALF = BLOCK // 2
-FORMATS = ("int8", "int4", "int8k")
+FORMATS = ("int8", "int4", "int5", "int8k")
 # GGUF block types that load into a format as they are: (format, elements and bytes per block).
 GGUF_BLOCKS = {
     "Q8_0": ("int8", 32, 34),
-    "Q5_0": ("int8", 32, 22),
+    "Q5_0": ("int5", 32, 22),
     "Q4_1": ("int4", 32, 20),
     "Q4_0": ("int4", 32, 18),
     "Q4_K": ("int4", 256, 144),
-    "Q5_1": ("int8k", 32, 24),
+    "Q5_1": ("int5", 32, 24),
+    "Q5_K": ("int5", 256, 176),
     "Q3_K": ("int8k", 256, 110),
-    "Q5_K": ("int8k", 256, 176),
     "Q6_K": ("int8k", 256, 210),
 }
 # Bytes per block of a record: its fp32 scales and offsets, then its integers.
-_BLOCK_BYTES = {"int8": 4 + BLOCK, "int4": 8 + HALF, "int8k": 12 + BLOCK}
+_BLOCK_BYTES = {"int8": 4 + BLOCK, "int4": 8 + HALF, "int5": 12 + HALF, "int8k": 12 + BLOCK}
+# fp32 scales and offsets per block of a record.
+_FLOATS = {"int8": 1, "int4": 2, "int5": 2, "int8k": 3}
 
 
 def record_bytes(fmt: str, k: int) -> int:
@@ -85,12 +91,11 @@ class QuantizedWeight:
         """fp32 [N, K] (or [len(index), K]): the values the kernels multiply by."""
         records = self.records if index is None else self.records.index_select(0, index)
         n, blocks = records.shape[0], self.in_features // BLOCK
-        floats = 3 if self.fmt == "int8k" else 2 if self.fmt == "int4" else 1
+        floats = _FLOATS[self.fmt]
         head = records[:, : 4 * floats * blocks].contiguous().view(torch.float32)
         scales = head.view(n, floats, blocks, 1)
-        if self.fmt == "int4":
-            packed = records[:, 8 * blocks :].view(n, blocks, HALF)
-            q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+        if self.fmt in ("int4", "int5"):
+            q = _unsigned_values(self.fmt, records, n, blocks).float()
             return (scales[:, 0] * q + scales[:, 1]).view(n, self.in_features)
         q = records[:, 4 * floats * blocks :].contiguous().view(torch.int8).view(n, blocks, BLOCK)
         if self.fmt == "int8":
@@ -100,12 +105,22 @@ class QuantizedWeight:
         return values.reshape(n, self.in_features)
 
 
+def _unsigned_values(fmt: str, records: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
+    """int4 or int5 records' integers, uint8 [n, blocks, 32]."""
+    packed = records[:, 8 * blocks : 8 * blocks + HALF * blocks].reshape(n, blocks, HALF)
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+    if fmt == "int4":
+        return q
+    high = records[:, 8 * blocks + HALF * blocks :].reshape(n, blocks, 4)
+    return q | (_fifth_bits(high) << 4).to(torch.uint8)
+
+
 def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
-    """``weight`` in ``fmt``, the same values: int8 and int4 convert into int8k exactly (both
-    halves' scale the block's d, the offset 0 or m, the integers as int8)."""
+    """``weight`` in ``fmt``, the same values: int8, int4 and int5 convert into int8k exactly
+    (both halves' scale the block's d, the offset 0 or m, the integers as int8)."""
     if weight.fmt == fmt:
         return weight
-    if fmt != "int8k" or weight.fmt not in ("int8", "int4"):
+    if fmt != "int8k" or weight.fmt == "int8k":
         raise ValueError(f"{weight.fmt} weights do not convert into {fmt}")
     records, n = weight.records, weight.out_features
     blocks = weight.in_features // BLOCK
@@ -115,8 +130,7 @@ def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
         q = records[:, 4 * blocks :]
     else:
         offset = records[:, 4 * blocks : 8 * blocks]
-        packed = records[:, 8 * blocks :].reshape(n, blocks, HALF)
-        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, -1)
+        q = _unsigned_values(weight.fmt, records, n, blocks).reshape(n, -1)
     return QuantizedWeight(fmt, weight.in_features, torch.cat([scale, scale, offset, q], dim=1))
 
 
@@ -148,11 +162,12 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         scale = blocks.abs().amax(-1, keepdim=True) / 127.0
         q = torch.round(blocks * _inverse(scale)).clamp(-128, 127).to(torch.int8)
         parts = [scale, q]
-    elif fmt == "int4":
+    elif fmt in ("int4", "int5"):
+        levels = 15 if fmt == "int4" else 31
         low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-        scale = (high - low) / 15.0
-        q = torch.round((blocks - low) * _inverse(scale)).clamp(0, 15).to(torch.uint8)
-        parts = [scale, low, q[..., :HALF] | (q[..., HALF:] << 4)]
+        scale = (high - low) / levels
+        q = torch.round((blocks - low) * _inverse(scale)).clamp(0, levels).to(torch.int32)
+        parts = [scale, low, *_unsigned_parts(fmt, q)]
     else:
         offset = (blocks.amin(-1, keepdim=True) + blocks.amax(-1, keepdim=True)) / 2
         centred = (blocks - offset).view(n, k // BLOCK, 2, HALF)
@@ -164,6 +179,16 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+
+
+def _unsigned_parts(fmt: str, q: torch.Tensor) -> list[torch.Tensor]:
+    """int4 or int5 integers ([n, blocks, 32] int32) as their records' parts: the nibbles, then
+    int5's fifth bits (4 bytes a block, bit i of the little-endian uint32 element i's)."""
+    nibbles = ((q[..., :HALF] & 0x0F) | ((q[..., HALF:] & 0x0F) << 4)).to(torch.uint8)
+    if fmt == "int4":
+        return [nibbles]
+    fifth = ((q >> 4) & 1).reshape(*q.shape[:-1], 4, 8)
+    return [nibbles, (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)]
 
 
 def _records(n: int, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -180,19 +205,18 @@ def from_gguf_blocks(block_type: str, raw: np.ndarray, k: int) -> QuantizedWeigh
     if block_type in _SUPER_BLOCKS:
         return _SUPER_BLOCKS[block_type](blocks, n, k)
     scale = _fp16(blocks[..., :2])
+    # the nibbles and Q5's fifth bits are laid out as the records hold them: copied as they are
     if block_type == "Q8_0":
-        return QuantizedWeight(fmt, k, _records(n, [scale, blocks[..., 2:]]))
-    if block_type == "Q5_0":
-        values = _q5_values(blocks[..., 2:6], blocks[..., 6:]).sub(16).to(torch.int8)
-        return QuantizedWeight(fmt, k, _records(n, [scale, values]))
-    if block_type == "Q4_1":
-        return QuantizedWeight(
-            fmt, k, _records(n, [scale, _fp16(blocks[..., 2:4]), blocks[..., 4:]])
-        )
-    if block_type == "Q4_0":
-        return QuantizedWeight(fmt, k, _records(n, [scale, -8.0 * scale, blocks[..., 2:]]))
-    values = _q5_values(blocks[..., 4:8], blocks[..., 8:]).to(torch.int8)  # Q5_1
-    return _int8k(n, k, scale.expand(-1, -1, 2), _fp16(blocks[..., 2:4]), values)
+        parts = [scale, blocks[..., 2:]]
+    elif block_type == "Q5_0":
+        parts = [scale, -16.0 * scale, blocks[..., 6:], blocks[..., 2:6]]
+    elif block_type == "Q4_1":
+        parts = [scale, _fp16(blocks[..., 2:4]), blocks[..., 4:]]
+    elif block_type == "Q4_0":
+        parts = [scale, -8.0 * scale, blocks[..., 2:]]
+    else:  # Q5_1
+        parts = [scale, _fp16(blocks[..., 2:4]), blocks[..., 8:], blocks[..., 4:8]]
+    return QuantizedWeight(fmt, k, _records(n, parts))
 
 
 def _fp16(pairs: torch.Tensor) -> torch.Tensor:
@@ -207,12 +231,10 @@ def _bits(packed: torch.Tensor, shifts: range, width: int) -> torch.Tensor:
     return (packed.to(torch.int32)[..., None, :] >> shift) & ((1 << width) - 1)
 
 
-def _q5_values(high: torch.Tensor, nibbles: torch.Tensor) -> torch.Tensor:
-    """Q5_0 / Q5_1's 5-bit integers int32 [n, blocks, 32]: the low 4 bits in nibbles (elements
-    0-15 low, 16-31 high), the fifth bits in a little-endian uint32 (``high``, 4 bytes)."""
-    bits = (high.contiguous().view(torch.int32) >> torch.arange(32, dtype=torch.int32)) & 1
-    low = _bits(nibbles, range(0, 8, 4), 4).flatten(-2)
-    return low | (bits << 4)
+def _fifth_bits(high: torch.Tensor) -> torch.Tensor:
+    """int5's (and Q5_0 / Q5_1's) fifth bits, 4 bytes a block (bit i of the little-endian uint32
+    element i's), as int32 [..., 32]."""
+    return _bits(high, range(8), 1).transpose(-1, -2).flatten(-2)
 
 
 def _int8k(
@@ -253,15 +275,18 @@ def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
 
 def _q5_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     """Q5_K super-blocks [n, k / 256, 176]: Q4_K's d, dmin and scales, then 32 bytes of fifth
-    bits (bit j of byte t: element 32 j + t) and 128 of nibbles as Q4_K's; int8k with both halves
-    of a sub-block at d * sc and the offset -dmin * m."""
+    bits (bit j of byte t: element 32 j + t) and 128 of nibbles as Q4_K's; int5 of scale d * sc
+    and offset -dmin * m per sub-block."""
     d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
     sc, m = _k_scales(blocks[..., 4:16])
     low = _bits(blocks[..., 48:].reshape(n, k // 256, 4, 32), range(0, 8, 4), 4)
     high = _bits(blocks[..., 16:48], range(8), 1)
-    values = (low.reshape(n, k) | (high.reshape(n, k) << 4)).to(torch.int8)
-    scales = (d * sc.float()).repeat_interleave(2, dim=-1)
-    return _int8k(n, k, scales, -(dmin * m.float()), values)
+    values = (low.reshape(n, k) | (high.reshape(n, k) << 4)).reshape(n, k // BLOCK, BLOCK)
+    scale = (d * sc.float()).reshape(n, k // BLOCK, 1)
+    offset = (-(dmin * m.float())).reshape(n, k // BLOCK, 1)
+    return QuantizedWeight(
+        "int5", k, _records(n, [scale, offset, *_unsigned_parts("int5", values)])
+    )
 
 
 def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:

@@ -3,6 +3,7 @@
  *
  *   int8 (QUANT_INT8): w = d * q, q in [-128, 127]      GGUF's Q8_0 blocks, or quantised at load
  *   int4 (QUANT_INT4): w = d * q + m, q in [0, 15]      GGUF's Q4_1 (and Q4_0: m = -8 d) blocks
+ *   int5 (QUANT_INT5): w = d * q + m, q in [0, 31]      GGUF's Q5_0 (m = -16 d), Q5_1, Q5_K
  *   int8k (QUANT_INT8K): w = d_half * q + m, q int8     one d per 16 inputs: GGUF's Q6_K, Q5_K,
  *                                                       Q3_K, Q5_1; mixed fused projections
  *
@@ -46,7 +47,7 @@
 #define PREFETCH_AHEAD 4096 /* bytes; into every cache level (docs/PERFORMANCE.md#narrow-weights) */
 #define SERIAL_QUANTIZE 32768 /* activations (m x k) up to which one thread quantises them */
 
-enum { QUANT_INT8 = 0, QUANT_INT4 = 1, QUANT_INT8K = 2 };
+enum { QUANT_INT8 = 0, QUANT_INT4 = 1, QUANT_INT8K = 2, QUANT_INT5 = 3 };
 
 /* Which integer dot product this build runs. */
 const char *quant_gemm_isa(void) {
@@ -59,16 +60,41 @@ const char *quant_gemm_isa(void) {
 #endif
 }
 
-/* Bytes of one group's block: int8 d [8] f32, c [8] i32 (128 * sum(q): unsigned activations'
- * correction), q [8 quads][8 columns][4]; int4 d [8], m [8] f32, nibbles [4][8 columns][4] whose
- * low nibbles are quad j and high nibbles quad j + 4; int8k d_lo [8], d_hi [8], m [8] f32, sums
- * [2 halves][8] i16 (sum(q) of elements 0-15 and 16-31, |sum| <= 2048: the halves' corrections,
- * in 16 bits to keep the block at 6 cache lines), q [8 quads][8 columns][4] (quads 0-3: d_lo's). */
+/* Bytes of one group's block: int8 d [8] f32, u [8 quads][8 columns][4]; int4 d [8], m [8] f32,
+ * nibbles [4][8 columns][4] whose low nibbles are quad j and high nibbles quad j + 4; int5 int4's,
+ * then fifth bits [8 columns][4] (bit j: quad j's, so that one 32-byte load serves the block and
+ * a shift and a mask take each quad's); int8k d_lo
+ * [8], d_hi [8], m [8] f32, u [8 quads][8 columns][4] (quads 0-3: d_lo's). The int8s are held as
+ * u = q + 128 (q ^ 0x80): vpdpbusd's unsigned operand, against the signed activations, so the
+ * correction 128 sum(q_x) is the activations' (one per row and half-block, QuantRow.c) and the
+ * weights carry no per-column sums (4 bytes a block less: Gemma 3's Q8_0 head is 20 MiB
+ * smaller). */
 static int64_t group_block_bytes(int format) {
     switch (format) {
     case QUANT_INT4: return 64 + BLOCK * GROUP / 2;
-    case QUANT_INT8K: return 128 + BLOCK * GROUP;
-    default: return 64 + BLOCK * GROUP;
+    case QUANT_INT5: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 8;
+    case QUANT_INT8K: return 96 + BLOCK * GROUP;
+    default: return 32 + BLOCK * GROUP;
+    }
+}
+
+/* Where a group block's integers start, after its scales. */
+static int64_t quads_offset(int format) {
+    switch (format) {
+    case QUANT_INT4:
+    case QUANT_INT5: return 64;
+    case QUANT_INT8K: return 96;
+    default: return 32;
+    }
+}
+
+/* fp32 scales (and offsets) per column and block: d; d, m; d_lo, d_hi, m. */
+static int scale_count(int format) {
+    switch (format) {
+    case QUANT_INT4:
+    case QUANT_INT5: return 2;
+    case QUANT_INT8K: return 3;
+    default: return 1;
     }
 }
 
@@ -76,6 +102,7 @@ static int64_t group_block_bytes(int format) {
 static int64_t record_block_bytes(int format) {
     switch (format) {
     case QUANT_INT4: return 8 + BLOCK / 2;
+    case QUANT_INT5: return 8 + BLOCK / 2 + 4;
     case QUANT_INT8K: return 12 + BLOCK;
     default: return 4 + BLOCK;
     }
@@ -92,15 +119,11 @@ static inline int record_nibble(const uint8_t *nibbles, int i) {
     return i < 16 ? nibbles[i] & 0x0F : nibbles[i - 16] >> 4;
 }
 
-static int32_t sum_of(const int8_t *q, int count) {
-    int32_t sum = 0;
-    for (int i = 0; i < count; i++) sum += q[i];
-    return sum;
-}
-
-/* Column c's int8s of a block into a group's quads (quads [8][8 columns][4] at dst). */
+/* Column c's int8s of a block into a group's quads (quads [8][8 columns][4] at dst), as
+ * unsigned q + 128. */
 static void pack_quads(uint8_t *dst, int c, const int8_t *q) {
-    for (int j = 0; j < QUADS; j++) memcpy(dst + j * 32 + c * 4, q + 4 * j, 4);
+    for (int j = 0; j < QUADS; j++)
+        for (int t = 0; t < 4; t++) dst[j * 32 + c * 4 + t] = (uint8_t)q[4 * j + t] ^ 0x80;
 }
 
 /* records [n][record bytes] (quant_formats.py's column records) -> packed [groups][nb][block];
@@ -108,6 +131,7 @@ static void pack_quads(uint8_t *dst, int c, const int8_t *q) {
 void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_t *packed) {
     const int64_t nb = k / BLOCK, gb = group_block_bytes(format);
     const int64_t record = nb * record_block_bytes(format);
+    const int floats = scale_count(format);
     memset(packed, 0, (size_t)quant_packed_bytes(format, n, k));
     for (int64_t g = 0; g < groups_of(n); g++)
         for (int64_t b = 0; b < nb; b++) {
@@ -115,28 +139,24 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
             float *scales = (float *)dst;
             for (int c = 0; c < GROUP && g * GROUP + c < n; c++) {
                 const uint8_t *rec = records + (g * GROUP + c) * record;
-                const float *rd = (const float *)rec;
-                scales[c] = rd[b];
-                if (format == QUANT_INT4) {
-                    scales[GROUP + c] = rd[nb + b];
-                    const uint8_t *nibbles = rec + nb * 8 + b * (BLOCK / 2);
+                for (int f = 0; f < floats; f++)
+                    scales[f * GROUP + c] = ((const float *)rec)[f * nb + b];
+                const uint8_t *ints = rec + nb * 4 * floats;
+                if (format == QUANT_INT4 || format == QUANT_INT5) {
+                    const uint8_t *nibbles = ints + b * (BLOCK / 2);
                     for (int j = 0; j < QUADS / 2; j++)
                         for (int t = 0; t < 4; t++)
                             dst[64 + j * 32 + c * 4 + t] =
                                 (uint8_t)(record_nibble(nibbles, 4 * j + t) |
                                           record_nibble(nibbles, 16 + 4 * j + t) << 4);
-                } else if (format == QUANT_INT8K) {
-                    scales[GROUP + c] = rd[nb + b];
-                    scales[2 * GROUP + c] = rd[2 * nb + b];
-                    const int8_t *q = (const int8_t *)(rec + nb * 12) + b * BLOCK;
-                    int16_t *sums = (int16_t *)(dst + 96);
-                    sums[c] = (int16_t)sum_of(q, BLOCK / 2);
-                    sums[GROUP + c] = (int16_t)sum_of(q + BLOCK / 2, BLOCK / 2);
-                    pack_quads(dst + 128, c, q);
+                    if (format == QUANT_INT5) {
+                        const uint8_t *bits = ints + nb * (BLOCK / 2) + b * 4;
+                        for (int i = 0; i < BLOCK; i++)
+                            dst[192 + c * 4 + i % 4] |=
+                                (uint8_t)(((bits[i / 8] >> (i % 8)) & 1) << (i / 4));
+                    }
                 } else {
-                    const int8_t *q = (const int8_t *)(rec + nb * 4) + b * BLOCK;
-                    ((int32_t *)dst)[GROUP + c] = 128 * sum_of(q, BLOCK);
-                    pack_quads(dst + 64, c, q);
+                    pack_quads(dst + quads_offset(format), c, (const int8_t *)ints + b * BLOCK);
                 }
             }
         }
@@ -168,16 +188,20 @@ int64_t quant_unpack_rows(int format, const uint8_t *packed, int64_t n, int64_t 
             float *x = row + b * BLOCK;
             for (int i = 0; i < BLOCK; i++) {
                 const int quad = i / 4, lane = i % 4;
-                if (format == QUANT_INT4) {
+                if (format == QUANT_INT4 || format == QUANT_INT5) {
                     const uint8_t byte = src[64 + (quad % 4) * 32 + c * 4 + lane];
-                    const int q = quad < 4 ? byte & 0x0F : byte >> 4;
+                    int q = quad < 4 ? byte & 0x0F : byte >> 4;
+                    if (format == QUANT_INT5) q |= ((src[192 + c * 4 + lane] >> quad) & 1) << 4;
                     x[i] = scales[c] * (float)q + scales[GROUP + c];
-                } else if (format == QUANT_INT8K) {
-                    const int8_t q = (int8_t)src[128 + quad * 32 + c * 4 + lane];
-                    const float d = scales[(i < BLOCK / 2 ? 0 : GROUP) + c];
-                    x[i] = d * (float)q + scales[2 * GROUP + c];
                 } else {
-                    x[i] = scales[c] * (float)(int8_t)src[64 + quad * 32 + c * 4 + lane];
+                    const int8_t q = (int8_t)(src[quads_offset(format) + quad * 32 + c * 4 + lane] ^
+                                              0x80);
+                    if (format == QUANT_INT8K) {
+                        const float d = scales[(i < BLOCK / 2 ? 0 : GROUP) + c];
+                        x[i] = d * (float)q + scales[2 * GROUP + c];
+                    } else {
+                        x[i] = scales[c] * (float)q;
+                    }
                 }
             }
         }
@@ -186,8 +210,8 @@ int64_t quant_unpack_rows(int format, const uint8_t *packed, int64_t n, int64_t 
 }
 
 /* One block of 32 activations to int8: q = x / d rounded half to even, d = max|x| / 127; returns
- * d and the sum of q. */
-static float quantize_block(const float *x, int8_t *q, int *sum) {
+ * d, and the sums of q's halves (elements 0-15, 16-31) in sums. */
+static float quantize_block(const float *x, int8_t *q, int sums[2]) {
 #ifdef QUANT_SIMD
     /* the same rounding as lrintf below (the current mode: half to even), 8 lanes at a time; a
        decode step's activations were quantised one element at a time while the other thread
@@ -205,11 +229,13 @@ static float quantize_block(const float *x, int8_t *q, int *sum) {
     const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
     __m256i n[4];
     for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-    __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
-    *sum = _mm_cvtsi128_si32(t4);
+    for (int h = 0; h < 2; h++) {
+        const __m256i half = _mm256_add_epi32(n[2 * h], n[2 * h + 1]);
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
+        sums[h] = _mm_cvtsi128_si32(t4);
+    }
     /* packs work per 128-bit lane: the bytes come out as dwords [n0 n1 n2 n3 | n0' n1' n2' n3']
        (unprimed: elements 0-3 of each vector, primed: 4-7), put back in order by the permute */
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
@@ -222,10 +248,10 @@ static float quantize_block(const float *x, int8_t *q, int *sum) {
     for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(x[i]));
     const float d = amax / 127.0f;
     const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-    *sum = 0;
+    sums[0] = sums[1] = 0;
     for (int i = 0; i < BLOCK; i++) {
         q[i] = (int8_t)lrintf(x[i] * inv);
-        *sum += q[i];
+        sums[i / (BLOCK / 2)] += q[i];
     }
     return d;
 #endif
@@ -233,11 +259,13 @@ static float quantize_block(const float *x, int8_t *q, int *sum) {
 
 static void quantize_row(const float *x, int64_t k, QuantRow row) {
     for (int64_t b = 0; b < k / BLOCK; b++) {
-        int sum;
-        row.d[b] = quantize_block(x + b * BLOCK, row.q + b * BLOCK, &sum);
-        row.s[b] = row.d[b] * (float)sum;
+        int sums[2];
+        row.d[b] = quantize_block(x + b * BLOCK, row.q + b * BLOCK, sums);
+        row.s[b] = row.d[b] * (float)(sums[0] + sums[1]);
+        row.c[3 * b] = -128 * sums[0];
+        row.c[3 * b + 1] = -128 * sums[1];
+        row.c[3 * b + 2] = -128 * (sums[0] + sums[1]);
     }
-    for (int64_t i = 0; i < k; i++) row.u[i] = (uint8_t)(row.q[i] ^ 0x80);
 }
 
 static inline int32_t quad(const void *p) {
@@ -247,6 +275,13 @@ static inline int32_t quad(const void *p) {
 }
 
 #ifdef QUANT_SIMD
+/* int5's fifth bits of quad j as 0x10 or 0 per byte: bit j of each byte of `fifth` moved to bit
+ * 4 (16-bit shifts: no bit crosses a byte on its way there). */
+static inline __m256i fifth_bits(__m256i fifth, const int j) {
+    const __m256i moved = j < 4 ? _mm256_slli_epi16(fifth, 4 - j) : _mm256_srli_epi16(fifth, j - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
 /* acc + the sums of four u8 x s8 products per 32-bit lane (AVX2: the pairs fit int16 where
  * u <= 128 or |s| <= 127 and u <= 15, which the callers keep to). */
 static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
@@ -257,13 +292,6 @@ static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
                                                    _mm256_set1_epi16(1)));
 #endif
 }
-
-#ifdef QUANT_VNNI
-/* 128 * a half's sum(q_w) per column, from int8k's 16-bit sums. */
-static inline __m256i half_correction(const uint8_t *sums) {
-    return _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)sums)), 7);
-}
-#endif
 
 /* Rows [0, rows) of x times one packed group (its nb blocks from `group`): out [rows][8]. */
 static inline __attribute__((always_inline)) void group_rows(int format, const uint8_t *group,
@@ -285,13 +313,26 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
         __m256i dots[ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) dots[r] = _mm256_setzero_si256();
-        if (format == QUANT_INT4) {
+        if (format == QUANT_INT4 || format == QUANT_INT5) {
             const __m256i low = _mm256_set1_epi8(0x0F);
+            /* int5's fifth bits: byte c * 4 + t, bit j is column c's element 4 j + t */
+            const __m256i fifth = format == QUANT_INT5
+                                      ? _mm256_loadu_si256((const __m256i *)(blk + 192))
+                                      : _mm256_setzero_si256();
+#ifndef QUANT_VNNI
+            __m256i pairs[ROWS];
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) pairs[r] = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 4
             for (int j = 0; j < QUADS / 2; j++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * j));
-                const __m256i lo = _mm256_and_si256(v, low);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                __m256i lo = _mm256_and_si256(v, low);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (format == QUANT_INT5) {
+                    lo = _mm256_or_si256(lo, fifth_bits(fifth, j));
+                    hi = _mm256_or_si256(hi, fifth_bits(fifth, j + QUADS / 2));
+                }
 #pragma GCC unroll 4
                 for (int r = 0; r < rows; r++) {
                     const int8_t *xq = x[r].q + b * BLOCK;
@@ -301,19 +342,20 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
                     dots[r] = dot4(dots[r], lo, x_lo);
                     dots[r] = dot4(dots[r], hi, x_hi);
 #else
-                    /* pair sums in 16 bits for the whole block: 8 of them, each at most
-                       2 * 15 * 127 in magnitude, add up to 30480 < 2^15, so one vpmaddwd per
-                       block widens them instead of one per pair (half the multiplies) */
-                    dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(lo, x_lo));
-                    dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(hi, x_hi));
+                    /* pair sums in 16 bits, each at most 2 * 15 * 127 (int4) or 2 * 31 * 127
+                       (int5) in magnitude: int4's 8 of a block add up to 30480 < 2^15, so one
+                       vpmaddwd per block widens them instead of one per pair (half the
+                       multiplies); int5's one per 4 */
+                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, x_lo));
+                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, x_hi));
+                    if (format == QUANT_INT5 ? j % 2 == 1 : j == QUADS / 2 - 1) {
+                        dots[r] = _mm256_add_epi32(
+                            dots[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+                        pairs[r] = _mm256_setzero_si256();
+                    }
 #endif
                 }
             }
-#ifndef QUANT_VNNI
-#pragma GCC unroll 4
-            for (int r = 0; r < rows; r++)
-                dots[r] = _mm256_madd_epi16(dots[r], _mm256_set1_epi16(1));
-#endif
             const __m256 wm = _mm256_loadu_ps((const float *)(blk + 32));
 #pragma GCC unroll 4
             for (int r = 0; r < rows; r++) {
@@ -325,10 +367,24 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
         }
         /* int8 and int8k: their int8 quads in one loop (with the format and j constants, the
            half's choice folds away); int8k's halves apart (dots: d_lo's, high: d_hi's) */
-        const uint8_t *quads = blk + (format == QUANT_INT8K ? 128 : 64);
+        const uint8_t *quads = blk + quads_offset(format);
         __m256i high[ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) high[r] = _mm256_setzero_si256();
+#ifdef QUANT_VNNI
+        /* the sums start at minus the activations' correction, a broadcast instead of a
+           subtraction per row (QuantRow.c) */
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            const int32_t *c = x[r].c + 3 * b;
+            if (format == QUANT_INT8K) {
+                dots[r] = _mm256_set1_epi32(c[0]);
+                high[r] = _mm256_set1_epi32(c[1]);
+            } else {
+                dots[r] = _mm256_set1_epi32(c[2]);
+            }
+        }
+#endif
 #pragma GCC unroll 8
         for (int j = 0; j < QUADS; j++) {
             __m256i w = _mm256_loadu_si256((const __m256i *)(quads + 32 * j));
@@ -338,38 +394,30 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
             __asm__("" : "+x"(w));
             const int in_high = format == QUANT_INT8K && j >= QUADS / 2;
 #ifdef QUANT_VNNI
-            /* (q_x + 128) q_w, corrected by 128 sum(q_w) below: exact in 32 bits */
-#pragma GCC unroll 4
-            for (int r = 0; r < rows; r++) {
-                const __m256i u = _mm256_set1_epi32(quad(x[r].u + b * BLOCK + 4 * j));
-                if (in_high)
-                    high[r] = dot4(high[r], u, w);
-                else
-                    dots[r] = dot4(dots[r], u, w);
-            }
-#else
-            /* |q_w| (q_x sign(q_w)): -128 reads as 128 unsigned, still right */
-            const __m256i magnitude = _mm256_abs_epi8(w);
+            /* (q_w + 128) q_x, on sums that started at -128 sum(q_x): exact in 32 bits */
 #pragma GCC unroll 4
             for (int r = 0; r < rows; r++) {
                 const __m256i xq = _mm256_set1_epi32(quad(x[r].q + b * BLOCK + 4 * j));
                 if (in_high)
-                    high[r] = dot4(high[r], magnitude, _mm256_sign_epi8(xq, w));
+                    high[r] = dot4(high[r], w, xq);
                 else
-                    dots[r] = dot4(dots[r], magnitude, _mm256_sign_epi8(xq, w));
+                    dots[r] = dot4(dots[r], w, xq);
+            }
+#else
+            /* |q_w| (q_x sign(q_w)), q_w signed again: -128 reads as 128 unsigned, still right */
+            const __m256i signed_w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+            const __m256i magnitude = _mm256_abs_epi8(signed_w);
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++) {
+                const __m256i xq = _mm256_set1_epi32(quad(x[r].q + b * BLOCK + 4 * j));
+                if (in_high)
+                    high[r] = dot4(high[r], magnitude, _mm256_sign_epi8(xq, signed_w));
+                else
+                    dots[r] = dot4(dots[r], magnitude, _mm256_sign_epi8(xq, signed_w));
             }
 #endif
         }
         if (format == QUANT_INT8K) {
-#ifdef QUANT_VNNI
-            const __m256i low_correction = half_correction(blk + 96);
-            const __m256i high_correction = half_correction(blk + 96 + 2 * GROUP);
-#pragma GCC unroll 4
-            for (int r = 0; r < rows; r++) {
-                dots[r] = _mm256_sub_epi32(dots[r], low_correction);
-                high[r] = _mm256_sub_epi32(high[r], high_correction);
-            }
-#endif
             /* each half's dot now within 16 * 128 * 127 < 2^24: exact as a float */
             const __m256 wd_hi = _mm256_loadu_ps((const float *)(blk + 32));
             const __m256 wm = _mm256_loadu_ps((const float *)(blk + 64));
@@ -382,11 +430,6 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
             }
             continue;
         }
-#ifdef QUANT_VNNI
-        const __m256i correction = _mm256_loadu_si256((const __m256i *)(blk + 32));
-#pragma GCC unroll 4
-        for (int r = 0; r < rows; r++) dots[r] = _mm256_sub_epi32(dots[r], correction);
-#endif
 #pragma GCC unroll 4
         for (int r = 0; r < rows; r++) {
             const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(x[r].d[b]));
@@ -409,18 +452,25 @@ static void group_rows(int format, const uint8_t *group, int64_t nb, const Quant
             const int8_t *xq = x[r].q + b * BLOCK;
             for (int c = 0; c < GROUP; c++) {
                 int dot = 0;
-                if (format == QUANT_INT4) {
+                if (format == QUANT_INT4 || format == QUANT_INT5) {
                     for (int j = 0; j < QUADS / 2; j++)
                         for (int t = 0; t < 4; t++) {
                             const uint8_t v = blk[64 + j * 32 + c * 4 + t];
-                            dot += (v & 0x0F) * xq[4 * j + t] + (v >> 4) * xq[16 + 4 * j + t];
+                            int lo = v & 0x0F, hi = v >> 4;
+                            if (format == QUANT_INT5) {
+                                const uint8_t fifth = blk[192 + c * 4 + t];
+                                lo |= ((fifth >> j) & 1) << 4;
+                                hi |= ((fifth >> (j + QUADS / 2)) & 1) << 4;
+                            }
+                            dot += lo * xq[4 * j + t] + hi * xq[16 + 4 * j + t];
                         }
                     out[r][c] += wd[GROUP + c] * x[r].s[b];
                 } else if (format == QUANT_INT8K) {
                     int high = 0;
                     for (int j = 0; j < QUADS; j++)
                         for (int t = 0; t < 4; t++) {
-                            const int p = (int8_t)blk[128 + j * 32 + c * 4 + t] * xq[4 * j + t];
+                            const int p = (int8_t)(blk[96 + j * 32 + c * 4 + t] ^ 0x80) *
+                                          xq[4 * j + t];
                             if (j < QUADS / 2)
                                 dot += p;
                             else
@@ -431,7 +481,7 @@ static void group_rows(int format, const uint8_t *group, int64_t nb, const Quant
                 } else {
                     for (int j = 0; j < QUADS; j++)
                         for (int t = 0; t < 4; t++)
-                            dot += (int8_t)blk[64 + j * 32 + c * 4 + t] * xq[4 * j + t];
+                            dot += (int8_t)(blk[32 + j * 32 + c * 4 + t] ^ 0x80) * xq[4 * j + t];
                 }
                 out[r][c] += wd[c] * x[r].d[b] * (float)dot;
             }
@@ -462,6 +512,7 @@ static void group_out(const NarrowLinear *w, int64_t g, const QuantRow *x, int64
        (at 16 rows int4 ran 8% faster on Zen 4, int8 14% with the register hint in group_rows) */
     switch (w->format) {
     case QUANT_INT4: format_rows(QUANT_INT4, group, nb, x + r0, rows, out); break;
+    case QUANT_INT5: format_rows(QUANT_INT5, group, nb, x + r0, rows, out); break;
     case QUANT_INT8K: format_rows(QUANT_INT8K, group, nb, x + r0, rows, out); break;
     default: format_rows(QUANT_INT8, group, nb, x + r0, rows, out); break;
     }
@@ -546,16 +597,17 @@ void quant_gated_shared(const NarrowLinear *gate_up, const QuantRow *rows, int64
 
 QuantRow *quant_rows_alloc(int64_t m, int64_t k) {
     const int64_t nb = k / BLOCK;
-    /* the rows, then d and s [m, nb] floats each, then q and u [m, k] bytes each */
+    /* the rows, then d and s [m, nb] floats each, c [m, 3 nb] int32, then q [m, k] bytes */
     const size_t head = (size_t)m * sizeof(QuantRow);
-    const size_t floats = (size_t)(2 * m * nb) * sizeof(float);
-    QuantRow *rows = malloc(head + floats + (size_t)(2 * m * k));
+    const size_t words = (size_t)(5 * m * nb) * 4;
+    QuantRow *rows = malloc(head + words + (size_t)(m * k));
     if (rows == NULL) return NULL;
     float *scales = (float *)((char *)rows + head);
-    uint8_t *bytes = (uint8_t *)rows + head + floats;
+    int32_t *sums = (int32_t *)(scales + 2 * m * nb);
+    int8_t *bytes = (int8_t *)(sums + 3 * m * nb);
     for (int64_t r = 0; r < m; r++)
-        rows[r] = (QuantRow){(int8_t *)bytes + r * k, bytes + (m + r) * k, scales + r * nb,
-                             scales + (m + r) * nb};
+        rows[r] = (QuantRow){bytes + r * k, scales + r * nb, scales + (m + r) * nb,
+                             sums + 3 * r * nb};
     return rows;
 }
 

@@ -6,13 +6,14 @@
 
 #define QUANT_BLOCK 32 /* inputs per block of a weight row and of the quantised activations */
 
-/* One row of activations quantised: q [k] int8 and u [k] = q + 128 as unsigned bytes, d [nb]
- * scales, s [nb] = d * sum(q) per block of QUANT_BLOCK. */
+/* One row of activations quantised: q [k] int8, d [nb] scales, s [nb] = d * sum(q) per block of
+ * QUANT_BLOCK, c [3 nb] = -128 * sum(q) of each block's elements 0-15, 16-31 and all 32: the
+ * corrections of the weights' unsigned int8s (quant_gemm.c). */
 typedef struct {
     int8_t *q;
-    uint8_t *u;
     float *d;
     float *s;
+    int32_t *c;
 } QuantRow;
 
 /* A linear layer on narrow weights: W [n, k] packed by quant_pack, bias [n] or NULL. */
