@@ -6,8 +6,9 @@ may still grow by (see ``measured_bytes``).
 Before a model's first measurement, an estimate: ``memory_estimate`` from models.yaml, or the
 runtime, the weights as the engine will hold them, the KV budget and structured outputs' memory
 (the grammar cache budget, a compile worker). A GGUF's tensors in a block type the narrow
-formats hold (Q4_0/1, Q4_K, Q5_0/1, Q5_K, Q6_K, Q8_0) stay in those blocks, widened to fp32
-scales (1.1-1.8x their bytes); the others are dequantised to fp32 (up to 8x), and the tokenizer
+formats hold (Q4_0/1, Q4_K, Q5_0/1, Q5_K, Q3_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS) stay in those
+blocks, widened to fp32 scales (1.1-1.7x their bytes, the IQ4s 2x); the others are dequantised to
+fp32 (up to 8x), and the tokenizer
 comes on top (Gemma 3's 262,144-token one: ~100 MB in the engine; structured outputs' vocabulary
 is in the engine's headroom until built). Measured, Gemma 3 270M Q4_K_M and SmolLM2-135M Q4_1
 hold 2-3x their files once the runtime and KV are taken off (docs/PERFORMANCE.md#model-loading);

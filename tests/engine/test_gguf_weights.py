@@ -1,5 +1,6 @@
 """A GGUF's weights come from the file as it holds them: each block type a narrow format holds
-(Q8_0, Q5_0 -> int8; Q4_0, Q4_1, Q4_K -> int4; Q5_1, Q3_K, Q5_K, Q6_K -> int8k) reproduces gguf's
+(Q8_0, IQ4_NL, IQ4_XS -> int8; Q4_0, Q4_1, Q4_K -> int4; Q5_0, Q5_1, Q5_K -> int5; Q3_K, Q6_K ->
+int8k) reproduces gguf's
 own dequantisation bit for bit,
 and a whole model loaded from the file equals the one transformers builds by dequantising every
 tensor (its weights on narrow records where the file's blocks allow, in the same row order)."""
@@ -23,19 +24,26 @@ from engine.model.loader import load_model
 from tests.conftest import GEMMA_GGUF, SMOLLM2_GGUF
 
 ROWS, K = 24, 512
-# Where the fp16 scales of the K-quants' super-blocks lie (bytes [start, end)): every other bit
-# pattern of theirs is valid (integer scales, mins and quants).
-K_QUANT_FP16 = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q3_K": (108, 110), "Q6_K": (208, 210)}
+# Where the fp16 scales of the K-quants' super-blocks and the IQ4s' blocks lie (bytes [start,
+# end)): every other bit pattern of theirs is valid (integer scales, mins, quants and indices).
+FP16_SCALES = {
+    "Q4_K": (0, 4),
+    "Q5_K": (0, 4),
+    "Q3_K": (108, 110),
+    "Q6_K": (208, 210),
+    "IQ4_NL": (0, 2),
+    "IQ4_XS": (0, 2),
+}
 
 
 def _random_blocks(block_type: str, rng: np.random.Generator) -> np.ndarray:
-    """[ROWS, bytes] of valid blocks: gguf's quantiser where it has one, else (the K-quants)
-    random bytes with finite fp16 scales (Q4_K, Q5_K: d and dmin; Q3_K, Q6_K: d)."""
+    """[ROWS, bytes] of valid blocks: gguf's quantiser where it has one, else (the K-quants, the
+    IQ4s) random bytes with finite fp16 scales (Q4_K, Q5_K: d and dmin; the others d)."""
     qtype = GGMLQuantizationType[block_type]
-    if block_type not in K_QUANT_FP16:
+    if block_type not in FP16_SCALES:
         return gguf_quantize(rng.standard_normal((ROWS, K)).astype(np.float32), qtype)
     _, elements, size = GGUF_BLOCKS[block_type]
-    start, end = K_QUANT_FP16[block_type]
+    start, end = FP16_SCALES[block_type]
     blocks = rng.integers(0, 256, (ROWS, K // elements, size), dtype=np.uint8)
     scales = rng.uniform(1e-4, 1e-2, (ROWS, K // elements, (end - start) // 2)).astype(np.float16)
     blocks[..., start:end] = scales.view(np.uint8).reshape(ROWS, K // elements, end - start)

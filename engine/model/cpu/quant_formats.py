@@ -24,7 +24,9 @@ the int8s. Records of
 one format and K concatenate, so fused projections are a torch.cat; rows permute with an index
 (kernels/quant_gemm.c reads them).
 
-GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8; Q4_1, Q4_0 and Q4_K
+GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8, and there too IQ4_NL
+and IQ4_XS (``d * table[q]``, 4-bit indices into 16 fixed int8 values; IQ4_XS's d a super-block's
+fp16 times a 6-bit scale per 32, less 32), at twice their size in the file; Q4_1, Q4_0 and Q4_K
 in int4, whose super-blocks of 256 carry 6-bit scales and offsets per 32 (``d * sc * q - dmin *
 m``); in int5 Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``) and Q5_K (Q4_K's scales with 5-bit
 q); in int8k Q6_K (``d * sc * (q - 32)``, sc int8 per 16, q 6 bits) and Q3_K (``d * (sc - 32) *
@@ -47,6 +49,8 @@ FORMATS = ("int8", "int4", "int5", "int8k")
 # GGUF block types that load into a format as they are: (format, elements and bytes per block).
 GGUF_BLOCKS = {
     "Q8_0": ("int8", 32, 34),
+    "IQ4_NL": ("int8", 32, 18),
+    "IQ4_XS": ("int8", 256, 136),
     "Q5_0": ("int5", 32, 22),
     "Q4_1": ("int4", 32, 20),
     "Q4_0": ("int4", 32, 18),
@@ -214,9 +218,36 @@ def from_gguf_blocks(block_type: str, raw: np.ndarray, k: int) -> QuantizedWeigh
         parts = [scale, _fp16(blocks[..., 2:4]), blocks[..., 4:]]
     elif block_type == "Q4_0":
         parts = [scale, -8.0 * scale, blocks[..., 2:]]
+    elif block_type == "IQ4_NL":
+        parts = [scale, _nonlinear_values(blocks[..., 2:])]
     else:  # Q5_1
         parts = [scale, _fp16(blocks[..., 2:4]), blocks[..., 8:], blocks[..., 4:8]]
     return QuantizedWeight(fmt, k, _records(n, parts))
+
+
+# IQ4_NL's and IQ4_XS's 16 values, which their 4-bit indices pick (ggml's kvalues_iq4nl).
+_NONLINEAR = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
+)
+
+
+def _nonlinear_values(nibbles: torch.Tensor) -> torch.Tensor:
+    """IQ4's int8 values [..., 32] of 16 bytes of indices [..., 16] (low nibbles elements 0-15,
+    high 16-31)."""
+    return _NONLINEAR[_bits(nibbles, range(0, 8, 4), 4).flatten(-2).long()]
+
+
+def _iq4_xs(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    """IQ4_XS super-blocks [n, k / 256, 136]: d fp16, 2 bytes of the 8 scales' high 2-bit pairs
+    (shift 2 j: sub-block j's), 4 of their low nibbles (low nibble of byte t: sub-block 2 t, high:
+    2 t + 1), then 16 bytes of indices per sub-block of 32; int8 of scale d * (sc - 32)."""
+    d = _fp16(blocks[..., 0:2])
+    high = blocks[..., 2:4].contiguous().view(torch.int16).to(torch.int32)
+    high = (high >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3  # [n, supers, 8]
+    low = _bits(blocks[..., 4:8], range(0, 8, 4), 4).transpose(-1, -2).flatten(-2)
+    scale = (d * ((low | (high << 4)) - 32).float()).reshape(n, k // BLOCK, 1)
+    values = _nonlinear_values(blocks[..., 8:].reshape(n, k // BLOCK, HALF))
+    return QuantizedWeight("int8", k, _records(n, [scale, values]))
 
 
 def _fp16(pairs: torch.Tensor) -> torch.Tensor:
@@ -319,4 +350,4 @@ def _q3_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
 
 
 # The block types of 256-element super-blocks, by their readers.
-_SUPER_BLOCKS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k}
+_SUPER_BLOCKS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "IQ4_XS": _iq4_xs}
