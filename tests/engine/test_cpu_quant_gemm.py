@@ -85,9 +85,9 @@ def test_prefill_sized_inputs(isa, fmt):
 def test_extreme_blocks(isa):
     """int8 and int8k weights of -128 (GGUF's Q8_0 allows it; the AVX2 dot reads |w| as
     unsigned), of 127, and of each in one half only (int8k's halves' sums and corrections apart),
-    int4 nibbles of 0 and 15, int5 integers of 0 and 31 (the AVX2 dot's 16-bit pair sums at their
-    largest) and of 16 alone (the fifth bit alone), all-zero activation blocks (scale 0) and
-    all-zero weight blocks."""
+    int4 nibbles of 0 and 15, int5 integers of 0 and 31 and int6's of 0 and 63 (the AVX2 dot's
+    16-bit pair sums at their largest), each in one half only, the bits above the nibbles alone,
+    all-zero activation blocks (scale 0) and all-zero weight blocks."""
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 50
     x[1, :32] = 0.0
     int8 = quantize(torch.randn(5, 64), "int8")
@@ -99,13 +99,17 @@ def test_extreme_blocks(isa):
     int5 = quantize(torch.randn(5, 64), "int5")  # d, m [2] f32, nibbles [2][16], fifth bits [2][4]
     int5.records[0, 16:], int5.records[1, 16:] = 0x00, 0xFF
     int5.records[2, 16:48], int5.records[2, 48:] = 0x00, 0xFF
+    int6 = quantize(torch.randn(5, 64), "int6")  # d_lo, d_hi [2] f32, nibbles [2][16], pairs [2][8]
+    int6.records[0, 16:], int6.records[1, 16:] = 0x00, 0xFF
+    int6.records[2, 16:48], int6.records[2, 48:] = 0x00, 0xFF
+    int6.records[3, 16:48], int6.records[3, 48:] = 0x0F, 0x00  # low halves 15, high halves 0
     int8k = quantize(torch.randn(6, 64), "int8k")
     q = int8k.records[:, 24:].view(torch.int8).view(6, 2, 2, BLOCK // 2)  # [column, block, half]
     q[0], q[1] = -128, 127
     q[2, :, 0], q[2, :, 1] = -128, 127
     q[3, :, 0], q[3, :, 1] = 127, -128
     int8k.records[4] = 0  # scales and offset 0, q 0
-    for weight in (int8, int4, int5, int8k):
+    for weight in (int8, int4, int5, int6, int8k):
         out = run(isa, weight, x, None, threads=1)
         torch.testing.assert_close(out, reference(x, weight, None), rtol=1e-5, atol=1e-3)
 
@@ -127,10 +131,12 @@ def test_quantize_round_trips_within_half_a_step():
     weight = torch.randn(8, 128, generator=torch.Generator().manual_seed(3))
     blocks = weight.view(8, -1, BLOCK)
     halves = (blocks - (blocks.amax(-1, True) + blocks.amin(-1, True)) / 2).view(8, -1, 2, 16)
+    sides = blocks.view(8, -1, 2, 16)
     for fmt, step in (
         ("int8", blocks.abs().amax(-1, True) / 127),
         ("int4", (blocks.amax(-1, True) - blocks.amin(-1, True)) / 15),
         ("int5", (blocks.amax(-1, True) - blocks.amin(-1, True)) / 31),
+        ("int6", (sides.abs().amax(-1, True) / 31).expand(-1, -1, -1, 16).reshape_as(blocks)),
         ("int8k", (halves.abs().amax(-1, True) / 127).expand(-1, -1, -1, 16).reshape_as(blocks)),
     ):
         error = (quantize(weight, fmt).dequantize() - weight).abs().view(8, -1, BLOCK)

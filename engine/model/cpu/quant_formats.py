@@ -9,18 +9,21 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
   15, m = min: GGUF's Q4_1; Q4_0's ``d * (q - 8)`` is the same with m = -8 d, so both load exactly).
 - ``int5``: ``w = d * q + m``, q in [0, 31], as int4 with a fifth bit: GGUF's Q5_0 (m = -16 d),
   Q5_1 and Q5_K (a scale and an offset per 32), 28 bytes a block where int8 took 36.
+- ``int6``: ``w = d_half * (q - 32)``, q in [0, 63], two fp32 scales per block (d_lo for elements
+  0-15, d_hi for 16-31): GGUF's Q6_K, 32 bytes a block where int8k took 44.
 - ``int8k``: ``w = d_half * q + m``, q in [-128, 127], two fp32 scales per block (d_lo for elements
-  0-15, d_hi for 16-31) and one fp32 offset: the K-quants' scale per 16 (Q6_K, Q3_K). Quantising
-  into it centres each block (m = (max + min) / 2) and scales each half symmetrically; int8, int4
-  and int5 weights convert into it exactly (`as_format`), so projections of mixed formats still
-  fuse (`concatenate`).
+  0-15, d_hi for 16-31) and one fp32 offset: Q3_K's scale per 16. Quantising
+  into it centres each block (m = (max + min) / 2) and scales each half symmetrically; every other
+  format converts into it exactly (`as_format`), so projections of mixed formats still fuse
+  (`concatenate`).
 
 A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8): per
 block of the column, int8: the scales, then the int8s; int4: the scales, the offsets, then the
 nibbles (16 bytes a block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's
 order); int5: int4's, then the fifth bits (4 bytes a block, a little-endian uint32 whose bit i is
-element i's, GGUF's order); int8k: the low-half scales, the high-half scales, the offsets, then
-the int8s. Records of
+element i's, GGUF's order); int6: the low-half scales, the high-half scales, int4's nibbles,
+then the high bit pairs (8 bytes a block, bits 2 (i % 4) and up of byte i / 4 element i's);
+int8k: the low-half scales, the high-half scales, the offsets, then the int8s. Records of
 one format and K concatenate, so fused projections are a torch.cat; rows permute with an index
 (kernels/quant_gemm.c reads them).
 
@@ -29,8 +32,8 @@ and IQ4_XS (``d * table[q]``, 4-bit indices into 16 fixed int8 values; IQ4_XS's 
 fp16 times a 6-bit scale per 32, less 32), at twice their size in the file; Q4_1, Q4_0 and Q4_K
 in int4, whose super-blocks of 256 carry 6-bit scales and offsets per 32 (``d * sc * q - dmin *
 m``); in int5 Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``) and Q5_K (Q4_K's scales with 5-bit
-q); in int8k Q6_K (``d * sc * (q - 32)``, sc int8 per 16, q 6 bits) and Q3_K (``d * (sc - 32) *
-q``, sc 6 bits per 16, q in [-4, 3]). The products d * sc and dmin * m are exact in
+q); in int6 Q6_K (``d * sc * (q - 32)``, sc int8 per 16, q 6 bits); in int8k Q3_K (``d * (sc -
+32) * q``, sc 6 bits per 16, q in [-4, 3]). The products d * sc and dmin * m are exact in
 fp32, being fp16 times integers of at most 8 bits (11 + 8 significant bits < 24), so each weight
 is gguf's own single rounding of that product times q (plus the offset). GGUF stores its scales
 in fp16; widening them to fp32 is exact.
@@ -45,7 +48,7 @@ import torch
 
 BLOCK = 32
 HALF = BLOCK // 2
-FORMATS = ("int8", "int4", "int5", "int8k")
+FORMATS = ("int8", "int4", "int5", "int6", "int8k")
 # GGUF block types that load into a format as they are: (format, elements and bytes per block).
 GGUF_BLOCKS = {
     "Q8_0": ("int8", 32, 34),
@@ -58,12 +61,20 @@ GGUF_BLOCKS = {
     "Q5_1": ("int5", 32, 24),
     "Q5_K": ("int5", 256, 176),
     "Q3_K": ("int8k", 256, 110),
-    "Q6_K": ("int8k", 256, 210),
+    "Q6_K": ("int6", 256, 210),
 }
 # Bytes per block of a record: its fp32 scales and offsets, then its integers.
-_BLOCK_BYTES = {"int8": 4 + BLOCK, "int4": 8 + HALF, "int5": 12 + HALF, "int8k": 12 + BLOCK}
+_BLOCK_BYTES = {
+    "int8": 4 + BLOCK,
+    "int4": 8 + HALF,
+    "int5": 12 + HALF,
+    "int6": 16 + HALF,
+    "int8k": 12 + BLOCK,
+}
 # fp32 scales and offsets per block of a record.
-_FLOATS = {"int8": 1, "int4": 2, "int5": 2, "int8k": 3}
+_FLOATS = {"int8": 1, "int4": 2, "int5": 2, "int6": 2, "int8k": 3}
+# Bits above the nibbles per element of int5 and int6.
+_UPPER_BITS = {"int5": 1, "int6": 2}
 
 
 def record_bytes(fmt: str, k: int) -> int:
@@ -101,6 +112,11 @@ class QuantizedWeight:
         if self.fmt in ("int4", "int5"):
             q = _unsigned_values(self.fmt, records, n, blocks).float()
             return (scales[:, 0] * q + scales[:, 1]).view(n, self.in_features)
+        if self.fmt == "int6":
+            q = (_unsigned_values(self.fmt, records, n, blocks).float() - 32).view(
+                n, blocks, 2, HALF
+            )
+            return (scales.permute(0, 2, 1, 3) * q).reshape(n, self.in_features)
         q = records[:, 4 * floats * blocks :].contiguous().view(torch.int8).view(n, blocks, BLOCK)
         if self.fmt == "int8":
             return (scales[:, 0] * q.float()).view(n, self.in_features)
@@ -110,13 +126,14 @@ class QuantizedWeight:
 
 
 def _unsigned_values(fmt: str, records: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
-    """int4 or int5 records' integers, uint8 [n, blocks, 32]."""
+    """int4, int5 or int6 records' integers, uint8 [n, blocks, 32]."""
     packed = records[:, 8 * blocks : 8 * blocks + HALF * blocks].reshape(n, blocks, HALF)
     q = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
     if fmt == "int4":
         return q
-    high = records[:, 8 * blocks + HALF * blocks :].reshape(n, blocks, 4)
-    return q | (_fifth_bits(high) << 4).to(torch.uint8)
+    width = _UPPER_BITS[fmt]
+    upper = records[:, 8 * blocks + HALF * blocks :].reshape(n, blocks, 4 * width)
+    return q | (_upper_values(upper, width) << 4).to(torch.uint8)
 
 
 def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
@@ -129,13 +146,17 @@ def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
     records, n = weight.records, weight.out_features
     blocks = weight.in_features // BLOCK
     scale = records[:, : 4 * blocks]
+    no_offset = torch.zeros(n, 4 * blocks, dtype=torch.uint8)
     if weight.fmt == "int8":
-        offset = torch.zeros(n, 4 * blocks, dtype=torch.uint8)
-        q = records[:, 4 * blocks :]
+        parts = [scale, scale, no_offset, records[:, 4 * blocks :]]
+    elif weight.fmt == "int6":
+        q = _unsigned_values(weight.fmt, records, n, blocks).to(torch.int8) - 32
+        parts = [scale, records[:, 4 * blocks : 8 * blocks], no_offset, q.view(torch.uint8)]
     else:
-        offset = records[:, 4 * blocks : 8 * blocks]
-        q = _unsigned_values(weight.fmt, records, n, blocks).reshape(n, -1)
-    return QuantizedWeight(fmt, weight.in_features, torch.cat([scale, scale, offset, q], dim=1))
+        q = _unsigned_values(weight.fmt, records, n, blocks)
+        parts = [scale, scale, records[:, 4 * blocks : 8 * blocks], q]
+    records = torch.cat([p.reshape(n, -1) for p in parts], dim=1)
+    return QuantizedWeight(fmt, weight.in_features, records)
 
 
 def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
@@ -172,6 +193,15 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         scale = (high - low) / levels
         q = torch.round((blocks - low) * _inverse(scale)).clamp(0, levels).to(torch.int32)
         parts = [scale, low, *_unsigned_parts(fmt, q)]
+    elif fmt == "int6":
+        halves = blocks.view(n, k // BLOCK, 2, HALF)
+        scale = halves.abs().amax(-1, keepdim=True) / 31.0  # [n, blocks, 2 halves, 1]
+        q = torch.round(halves * _inverse(scale)).clamp(-32, 31).to(torch.int32) + 32
+        parts = [
+            scale[:, :, 0],
+            scale[:, :, 1],
+            *_unsigned_parts(fmt, q.view(n, k // BLOCK, BLOCK)),
+        ]
     else:
         offset = (blocks.amin(-1, keepdim=True) + blocks.amax(-1, keepdim=True)) / 2
         centred = (blocks - offset).view(n, k // BLOCK, 2, HALF)
@@ -186,13 +216,15 @@ def _inverse(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _unsigned_parts(fmt: str, q: torch.Tensor) -> list[torch.Tensor]:
-    """int4 or int5 integers ([n, blocks, 32] int32) as their records' parts: the nibbles, then
-    int5's fifth bits (4 bytes a block, bit i of the little-endian uint32 element i's)."""
+    """int4, int5 or int6 integers ([n, blocks, 32] int32) as their records' parts: the nibbles,
+    then the bits above them (`_upper_values`' layout)."""
     nibbles = ((q[..., :HALF] & 0x0F) | ((q[..., HALF:] & 0x0F) << 4)).to(torch.uint8)
     if fmt == "int4":
         return [nibbles]
-    fifth = ((q >> 4) & 1).reshape(*q.shape[:-1], 4, 8)
-    return [nibbles, (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)]
+    width = _UPPER_BITS[fmt]
+    upper = (q >> 4).reshape(*q.shape[:-1], 4 * width, 8 // width)
+    shifts = torch.arange(0, 8, width, dtype=torch.int32)
+    return [nibbles, (upper << shifts).sum(-1).to(torch.uint8)]
 
 
 def _records(n: int, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -262,10 +294,11 @@ def _bits(packed: torch.Tensor, shifts: range, width: int) -> torch.Tensor:
     return (packed.to(torch.int32)[..., None, :] >> shift) & ((1 << width) - 1)
 
 
-def _fifth_bits(high: torch.Tensor) -> torch.Tensor:
-    """int5's (and Q5_0 / Q5_1's) fifth bits, 4 bytes a block (bit i of the little-endian uint32
-    element i's), as int32 [..., 32]."""
-    return _bits(high, range(8), 1).transpose(-1, -2).flatten(-2)
+def _upper_values(upper: torch.Tensor, width: int) -> torch.Tensor:
+    """int5's fifth bits (width 1: bit i of the little-endian uint32 element i's, Q5_0 and Q5_1's
+    order) or int6's high bit pairs (width 2: bits 2 (i % 4) of byte i / 4), 4 * width bytes a
+    block, as int32 [..., 32]."""
+    return _bits(upper, range(0, 8, width), width).transpose(-1, -2).flatten(-2)
 
 
 def _int8k(
@@ -324,13 +357,15 @@ def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     """Q6_K super-blocks [n, k / 256, 210]: 128 bytes of low nibbles (per half of 128 elements,
     64 bytes: low nibbles its first 64, high its next), 64 of high 2-bit pairs (per half, 32
     bytes: the pair at shift 2 j element 32 j + t), 16 int8 scales (one per 16) and d fp16;
-    int8k of scales d * sc, offset 0, q - 32."""
+    int6 of scales d * sc."""
     supers = k // 256
     low = _bits(blocks[..., :128].reshape(n, supers, 2, 64), range(0, 8, 4), 4)
     high = _bits(blocks[..., 128:192].reshape(n, supers, 2, 32), range(0, 8, 2), 2)
-    values = (low.reshape(n, k) | (high.reshape(n, k) << 4)).sub(32).to(torch.int8)
+    values = (low.reshape(n, k) | (high.reshape(n, k) << 4)).reshape(n, k // BLOCK, BLOCK)
     scales = _fp16(blocks[..., 208:210]) * blocks[..., 192:208].view(torch.int8).float()
-    return _int8k(n, k, scales, torch.zeros(n, k // BLOCK), values)
+    halves = scales.reshape(n, k // BLOCK, 2)
+    parts = [halves[..., 0], halves[..., 1], *_unsigned_parts("int6", values)]
+    return QuantizedWeight("int6", k, _records(n, parts))
 
 
 def _q3_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:

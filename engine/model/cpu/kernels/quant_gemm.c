@@ -4,6 +4,7 @@
  *   int8 (QUANT_INT8): w = d * q, q in [-128, 127]      GGUF's Q8_0 blocks, or quantised at load
  *   int4 (QUANT_INT4): w = d * q + m, q in [0, 15]      GGUF's Q4_1 (and Q4_0: m = -8 d) blocks
  *   int5 (QUANT_INT5): w = d * q + m, q in [0, 31]      GGUF's Q5_0 (m = -16 d), Q5_1, Q5_K
+ *   int6 (QUANT_INT6): w = d_half * (q - 32), q in [0, 63]   GGUF's Q6_K (one d per 16)
  *   int8k (QUANT_INT8K): w = d_half * q + m, q int8     one d per 16 inputs: GGUF's Q6_K, Q5_K,
  *                                                       Q3_K, Q5_1; mixed fused projections
  *
@@ -47,7 +48,7 @@
 #define PREFETCH_AHEAD 4096 /* bytes; into every cache level (docs/PERFORMANCE.md#narrow-weights) */
 #define SERIAL_QUANTIZE 32768 /* activations (m x k) up to which one thread quantises them */
 
-enum { QUANT_INT8 = 0, QUANT_INT4 = 1, QUANT_INT8K = 2, QUANT_INT5 = 3 };
+enum { QUANT_INT8 = 0, QUANT_INT4 = 1, QUANT_INT8K = 2, QUANT_INT5 = 3, QUANT_INT6 = 4 };
 
 /* Which integer dot product this build runs. */
 const char *quant_gemm_isa(void) {
@@ -63,7 +64,9 @@ const char *quant_gemm_isa(void) {
 /* Bytes of one group's block: int8 d [8] f32, u [8 quads][8 columns][4]; int4 d [8], m [8] f32,
  * nibbles [4][8 columns][4] whose low nibbles are quad j and high nibbles quad j + 4; int5 int4's,
  * then fifth bits [8 columns][4] (bit j: quad j's, so that one 32-byte load serves the block and
- * a shift and a mask take each quad's); int8k d_lo
+ * a shift and a mask take each quad's); int6 d_lo [8], d_hi [8] f32, int4's nibbles, then the
+ * high bit pairs [2][8 columns][4] (bits 2 j, 2 j + 1 of the first: quad j's, of the second: quad
+ * j + 4's); int8k d_lo
  * [8], d_hi [8], m [8] f32, u [8 quads][8 columns][4] (quads 0-3: d_lo's). The int8s are held as
  * u = q + 128 (q ^ 0x80): vpdpbusd's unsigned operand, against the signed activations, so the
  * correction 128 sum(q_x) is the activations' (one per row and half-block, QuantRow.c) and the
@@ -73,6 +76,7 @@ static int64_t group_block_bytes(int format) {
     switch (format) {
     case QUANT_INT4: return 64 + BLOCK * GROUP / 2;
     case QUANT_INT5: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 8;
+    case QUANT_INT6: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 4;
     case QUANT_INT8K: return 96 + BLOCK * GROUP;
     default: return 32 + BLOCK * GROUP;
     }
@@ -82,7 +86,8 @@ static int64_t group_block_bytes(int format) {
 static int64_t quads_offset(int format) {
     switch (format) {
     case QUANT_INT4:
-    case QUANT_INT5: return 64;
+    case QUANT_INT5:
+    case QUANT_INT6: return 64;
     case QUANT_INT8K: return 96;
     default: return 32;
     }
@@ -92,7 +97,8 @@ static int64_t quads_offset(int format) {
 static int scale_count(int format) {
     switch (format) {
     case QUANT_INT4:
-    case QUANT_INT5: return 2;
+    case QUANT_INT5:
+    case QUANT_INT6: return 2;
     case QUANT_INT8K: return 3;
     default: return 1;
     }
@@ -103,6 +109,7 @@ static int64_t record_block_bytes(int format) {
     switch (format) {
     case QUANT_INT4: return 8 + BLOCK / 2;
     case QUANT_INT5: return 8 + BLOCK / 2 + 4;
+    case QUANT_INT6: return 8 + BLOCK / 2 + 8;
     case QUANT_INT8K: return 12 + BLOCK;
     default: return 4 + BLOCK;
     }
@@ -117,6 +124,34 @@ int64_t quant_packed_bytes(int format, int64_t n, int64_t k) {
 /* Element i of a column record's block: int4 nibbles (low: elements 0-15, high: 16-31). */
 static inline int record_nibble(const uint8_t *nibbles, int i) {
     return i < 16 ? nibbles[i] & 0x0F : nibbles[i - 16] >> 4;
+}
+
+/* Bits above the nibbles per element: int5 1, int6 2 (int4 0). */
+static int upper_width(int format) {
+    return format == QUANT_INT5 ? 1 : format == QUANT_INT6 ? 2 : 0;
+}
+
+/* Element i's upper bits in a record's block (`bits`: GGUF's order, 8 / width elements a byte). */
+static inline int upper_of(const uint8_t *bits, int width, int i) {
+    const int per_byte = 8 / width;
+    return (bits[i / per_byte] >> (width * (i % per_byte))) & ((1 << width) - 1);
+}
+
+/* Where quad j's upper bits lie in a packed group block: the vector (from byte 192) and the shift
+ * in each of its bytes. */
+static inline int upper_at(int width, int j) { return 192 + 32 * (j / (8 / width)); }
+static inline int upper_shift(int width, int j) { return width * (j % (8 / width)); }
+
+/* The integer of column c's element 4 quad + lane in a packed int4 / int5 / int6 group block. */
+static inline int packed_value(int format, const uint8_t *blk, int c, int quad, int lane) {
+    const uint8_t byte = blk[64 + (quad % 4) * 32 + c * 4 + lane];
+    int q = quad < 4 ? byte & 0x0F : byte >> 4;
+    const int width = upper_width(format);
+    if (width)
+        q |= ((blk[upper_at(width, quad) + c * 4 + lane] >> upper_shift(width, quad)) &
+              ((1 << width) - 1))
+             << 4;
+    return q;
 }
 
 /* Column c's int8s of a block into a group's quads (quads [8][8 columns][4] at dst), as
@@ -142,18 +177,19 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
                 for (int f = 0; f < floats; f++)
                     scales[f * GROUP + c] = ((const float *)rec)[f * nb + b];
                 const uint8_t *ints = rec + nb * 4 * floats;
-                if (format == QUANT_INT4 || format == QUANT_INT5) {
+                if (format == QUANT_INT4 || format == QUANT_INT5 || format == QUANT_INT6) {
                     const uint8_t *nibbles = ints + b * (BLOCK / 2);
                     for (int j = 0; j < QUADS / 2; j++)
                         for (int t = 0; t < 4; t++)
                             dst[64 + j * 32 + c * 4 + t] =
                                 (uint8_t)(record_nibble(nibbles, 4 * j + t) |
                                           record_nibble(nibbles, 16 + 4 * j + t) << 4);
-                    if (format == QUANT_INT5) {
-                        const uint8_t *bits = ints + nb * (BLOCK / 2) + b * 4;
+                    if (format != QUANT_INT4) {
+                        const int width = upper_width(format), per_byte = 8 / width;
+                        const uint8_t *bits = ints + nb * (BLOCK / 2) + b * BLOCK / per_byte;
                         for (int i = 0; i < BLOCK; i++)
-                            dst[192 + c * 4 + i % 4] |=
-                                (uint8_t)(((bits[i / 8] >> (i % 8)) & 1) << (i / 4));
+                            dst[upper_at(width, i / 4) + c * 4 + i % 4] |=
+                                (uint8_t)(upper_of(bits, width, i) << upper_shift(width, i / 4));
                     }
                 } else {
                     pack_quads(dst + quads_offset(format), c, (const int8_t *)ints + b * BLOCK);
@@ -188,11 +224,12 @@ int64_t quant_unpack_rows(int format, const uint8_t *packed, int64_t n, int64_t 
             float *x = row + b * BLOCK;
             for (int i = 0; i < BLOCK; i++) {
                 const int quad = i / 4, lane = i % 4;
-                if (format == QUANT_INT4 || format == QUANT_INT5) {
-                    const uint8_t byte = src[64 + (quad % 4) * 32 + c * 4 + lane];
-                    int q = quad < 4 ? byte & 0x0F : byte >> 4;
-                    if (format == QUANT_INT5) q |= ((src[192 + c * 4 + lane] >> quad) & 1) << 4;
-                    x[i] = scales[c] * (float)q + scales[GROUP + c];
+                if (format == QUANT_INT4 || format == QUANT_INT5 || format == QUANT_INT6) {
+                    const int q = packed_value(format, src, c, quad, lane);
+                    if (format == QUANT_INT6)
+                        x[i] = scales[(i < BLOCK / 2 ? 0 : GROUP) + c] * (float)(q - 32);
+                    else
+                        x[i] = scales[c] * (float)q + scales[GROUP + c];
                 } else {
                     const int8_t q = (int8_t)(src[quads_offset(format) + quad * 32 + c * 4 + lane] ^
                                               0x80);
@@ -275,11 +312,13 @@ static inline int32_t quad(const void *p) {
 }
 
 #ifdef QUANT_SIMD
-/* int5's fifth bits of quad j as 0x10 or 0 per byte: bit j of each byte of `fifth` moved to bit
- * 4 (16-bit shifts: no bit crosses a byte on its way there). */
-static inline __m256i fifth_bits(__m256i fifth, const int j) {
-    const __m256i moved = j < 4 ? _mm256_slli_epi16(fifth, 4 - j) : _mm256_srli_epi16(fifth, j - 4);
-    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+/* The `width` bits above the nibbles of quad j, in place above them per byte: bits width * j up
+ * of each byte of `upper` (j taken modulo its 8 / width quads) moved to bit 4 and masked (16-bit
+ * shifts: no bit crosses a byte on its way there). */
+static inline __m256i upper_bits(__m256i upper, const int j, const int width) {
+    const int at = width * (j % (8 / width));
+    const __m256i moved = at < 4 ? _mm256_slli_epi16(upper, 4 - at) : _mm256_srli_epi16(upper, at - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8((char)(((1 << width) - 1) << 4)));
 }
 
 /* acc + the sums of four u8 x s8 products per 32-bit lane (AVX2: the pairs fit int16 where
@@ -313,16 +352,30 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
         __m256i dots[ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) dots[r] = _mm256_setzero_si256();
-        if (format == QUANT_INT4 || format == QUANT_INT5) {
+        if (format == QUANT_INT4 || format == QUANT_INT5 || format == QUANT_INT6) {
             const __m256i low = _mm256_set1_epi8(0x0F);
-            /* int5's fifth bits: byte c * 4 + t, bit j is column c's element 4 j + t */
-            const __m256i fifth = format == QUANT_INT5
-                                      ? _mm256_loadu_si256((const __m256i *)(blk + 192))
-                                      : _mm256_setzero_si256();
-#ifndef QUANT_VNNI
-            __m256i pairs[ROWS];
+            /* the bits above the nibbles, byte c * 4 + t for column c's element 4 j + t of quad
+               j: int5's bit j; int6's bits 2 j, 2 j + 1 in the first vector for quads 0-3, in the
+               second for quads 4-7 */
+            __m256i upper[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            if (format != QUANT_INT4) upper[0] = _mm256_loadu_si256((const __m256i *)(blk + 192));
+            if (format == QUANT_INT6) upper[1] = _mm256_loadu_si256((const __m256i *)(blk + 224));
+            /* int6 keeps its halves apart (dots: d_lo's quads 0-3, high: d_hi's 4-7), each
+               starting at -32 sum(q_x) of its half: the integers' offset of 32 */
+            __m256i high[ROWS];
 #pragma GCC unroll 4
-            for (int r = 0; r < ROWS; r++) pairs[r] = _mm256_setzero_si256();
+            for (int r = 0; r < ROWS; r++) high[r] = _mm256_setzero_si256();
+            if (format == QUANT_INT6) {
+#pragma GCC unroll 4
+                for (int r = 0; r < rows; r++) {
+                    dots[r] = _mm256_set1_epi32(x[r].c[3 * b] / 4);
+                    high[r] = _mm256_set1_epi32(x[r].c[3 * b + 1] / 4);
+                }
+            }
+#ifndef QUANT_VNNI
+            __m256i pairs[ROWS], pairs_high[ROWS];
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) pairs[r] = pairs_high[r] = _mm256_setzero_si256();
 #endif
 #pragma GCC unroll 4
             for (int j = 0; j < QUADS / 2; j++) {
@@ -330,8 +383,11 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
                 __m256i lo = _mm256_and_si256(v, low);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 if (format == QUANT_INT5) {
-                    lo = _mm256_or_si256(lo, fifth_bits(fifth, j));
-                    hi = _mm256_or_si256(hi, fifth_bits(fifth, j + QUADS / 2));
+                    lo = _mm256_or_si256(lo, upper_bits(upper[0], j, 1));
+                    hi = _mm256_or_si256(hi, upper_bits(upper[0], j + QUADS / 2, 1));
+                } else if (format == QUANT_INT6) {
+                    lo = _mm256_or_si256(lo, upper_bits(upper[0], j, 2));
+                    hi = _mm256_or_si256(hi, upper_bits(upper[1], j, 2));
                 }
 #pragma GCC unroll 4
                 for (int r = 0; r < rows; r++) {
@@ -340,28 +396,44 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
                     const __m256i x_hi = _mm256_set1_epi32(quad(xq + 16 + 4 * j));
 #ifdef QUANT_VNNI
                     dots[r] = dot4(dots[r], lo, x_lo);
-                    dots[r] = dot4(dots[r], hi, x_hi);
+                    if (format == QUANT_INT6)
+                        high[r] = dot4(high[r], hi, x_hi);
+                    else
+                        dots[r] = dot4(dots[r], hi, x_hi);
 #else
-                    /* pair sums in 16 bits, each at most 2 * 15 * 127 (int4) or 2 * 31 * 127
-                       (int5) in magnitude: int4's 8 of a block add up to 30480 < 2^15, so one
-                       vpmaddwd per block widens them instead of one per pair (half the
-                       multiplies); int5's one per 4 */
+                    /* pair sums in 16 bits, each at most 2 * 15 * 127 (int4), 2 * 31 * 127
+                       (int5) or 2 * 63 * 127 (int6) in magnitude: int4's 8 of a block add up to
+                       30480 < 2^15, so one vpmaddwd per block widens them instead of one per
+                       pair (half the multiplies); int5's and int6's one per 4 and per 2 */
                     pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, x_lo));
-                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, x_hi));
-                    if (format == QUANT_INT5 ? j % 2 == 1 : j == QUADS / 2 - 1) {
-                        dots[r] = _mm256_add_epi32(
-                            dots[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+                    __m256i *hi_pairs = format == QUANT_INT6 ? &pairs_high[r] : &pairs[r];
+                    *hi_pairs = _mm256_add_epi16(*hi_pairs, _mm256_maddubs_epi16(hi, x_hi));
+                    if (format == QUANT_INT4 ? j == QUADS / 2 - 1 : j % 2 == 1) {
+                        const __m256i ones = _mm256_set1_epi16(1);
+                        dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs[r], ones));
                         pairs[r] = _mm256_setzero_si256();
+                        if (format == QUANT_INT6) {
+                            high[r] = _mm256_add_epi32(high[r],
+                                                       _mm256_madd_epi16(pairs_high[r], ones));
+                            pairs_high[r] = _mm256_setzero_si256();
+                        }
                     }
 #endif
                 }
             }
-            const __m256 wm = _mm256_loadu_ps((const float *)(blk + 32));
+            const __m256 w2 = _mm256_loadu_ps((const float *)(blk + 32)); /* m, or int6's d_hi */
 #pragma GCC unroll 4
             for (int r = 0; r < rows; r++) {
-                const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(x[r].d[b]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r]);
-                acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x[r].s[b]), acc[r]);
+                if (format == QUANT_INT6) {
+                    /* each half's dot within 16 * 63 * 127 < 2^24: exact as a float */
+                    const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high[r]), w2,
+                                                       _mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), wd));
+                    acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(x[r].d[b]), acc[r]);
+                } else {
+                    const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(x[r].d[b]));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(w2, _mm256_set1_ps(x[r].s[b]), acc[r]);
+                }
             }
             continue;
         }
@@ -453,18 +525,19 @@ static void group_rows(int format, const uint8_t *group, int64_t nb, const Quant
             for (int c = 0; c < GROUP; c++) {
                 int dot = 0;
                 if (format == QUANT_INT4 || format == QUANT_INT5) {
-                    for (int j = 0; j < QUADS / 2; j++)
-                        for (int t = 0; t < 4; t++) {
-                            const uint8_t v = blk[64 + j * 32 + c * 4 + t];
-                            int lo = v & 0x0F, hi = v >> 4;
-                            if (format == QUANT_INT5) {
-                                const uint8_t fifth = blk[192 + c * 4 + t];
-                                lo |= ((fifth >> j) & 1) << 4;
-                                hi |= ((fifth >> (j + QUADS / 2)) & 1) << 4;
-                            }
-                            dot += lo * xq[4 * j + t] + hi * xq[16 + 4 * j + t];
-                        }
+                    for (int i = 0; i < BLOCK; i++)
+                        dot += packed_value(format, blk, c, i / 4, i % 4) * xq[i];
                     out[r][c] += wd[GROUP + c] * x[r].s[b];
+                } else if (format == QUANT_INT6) {
+                    int high = 0;
+                    for (int i = 0; i < BLOCK; i++) {
+                        const int p = (packed_value(format, blk, c, i / 4, i % 4) - 32) * xq[i];
+                        if (i < BLOCK / 2)
+                            dot += p;
+                        else
+                            high += p;
+                    }
+                    out[r][c] += wd[GROUP + c] * x[r].d[b] * (float)high;
                 } else if (format == QUANT_INT8K) {
                     int high = 0;
                     for (int j = 0; j < QUADS; j++)
@@ -513,6 +586,7 @@ static void group_out(const NarrowLinear *w, int64_t g, const QuantRow *x, int64
     switch (w->format) {
     case QUANT_INT4: format_rows(QUANT_INT4, group, nb, x + r0, rows, out); break;
     case QUANT_INT5: format_rows(QUANT_INT5, group, nb, x + r0, rows, out); break;
+    case QUANT_INT6: format_rows(QUANT_INT6, group, nb, x + r0, rows, out); break;
     case QUANT_INT8K: format_rows(QUANT_INT8K, group, nb, x + r0, rows, out); break;
     default: format_rows(QUANT_INT8, group, nb, x + r0, rows, out); break;
     }
