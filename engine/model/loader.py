@@ -38,6 +38,7 @@ from engine import startup
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.file_hash import file_sha256
+from engine.model.cpu.gguf_file import GgufFile
 from engine.model.cpu.gguf_weights import GgufWeights
 from engine.model.cpu.linear import native_bf16
 from engine.model.cpu.narrow_weights import check_quantization, narrow_mode
@@ -139,7 +140,8 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         )
     folder, name = gguf_path.parent, gguf_path.name
     try:
-        with fast_gguf_reads():
+        file = GgufFile(gguf_path, read_strings=True)
+        with fast_gguf_reads(gguf_path, file):
             hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
             _check_causal_lm(hf_config)
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
