@@ -1,24 +1,31 @@
-"""A GGUF's config read through engine.model.gguf_reads is what gguf's own reader gives, for
-tiny GGUFs covering each way it states its vocabulary size; the merges engine.model.gguf_merges
-derives from a vocabulary are generate_merges', in its order."""
+"""engine.model.gguf_tokenizer (with gguf_merges and gguf_reads) converts a GGUF's tokenizer and
+config as transformers does: the loader's conversion writes the same files, byte for byte, as
+transformers' own (AutoConfig, AutoTokenizer, save_pretrained), for both real GGUFs and for tiny
+ones covering each path; the config reads as with gguf's own reader; the merges derived from a
+vocabulary are generate_merges', in its order."""
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import SentencePieceBPETokenizer
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import generate_merges
 
+from engine.model import loader
 from engine.model.cpu.gguf_file import GgufFile
 from engine.model.gguf_merges import derived_merges
 from engine.model.gguf_reads import fast_gguf_reads
 from scripts.tiny_models import _CORPUS, CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+from tests.conftest import GEMMA_GGUF, SMOLLM2_GGUF
 
 _CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
 Vocabulary = dict[str, list]  # tokens, and types, scores or merges as llama.cpp writes them
@@ -130,6 +137,8 @@ _TINY: dict[str, tuple[str, str, str, dict[str, object]]] = {
         "bytes",
         {"ids": {"eos": 2}, "flags": {"bos": True}, "pre": "llama-bpe"},
     ),
+    # a tokenizer class gguf_tokenizer does not follow: transformers converts it
+    "qwen2-bl": ("qwen2", "gpt2", "bytes", {"ids": {"eos": 2}}),
 }
 
 
@@ -138,6 +147,77 @@ def _tiny_gguf(folder: Path, name: str) -> Path:
     folder.mkdir()
     path = folder / f"{name}.gguf"
     return _write_gguf(path, architecture, model, _VOCABULARIES[vocabulary](), **keys)  # type: ignore[arg-type]
+
+
+def _transformers_conversion(path: Path, target: Path) -> PreTrainedTokenizerFast:
+    """What the loader wrote before engine.model.gguf_tokenizer: transformers' conversion (its
+    config read through fast_gguf_reads, checked on its own below)."""
+    with fast_gguf_reads(path, GgufFile(path, read_strings=True)):
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True
+        )
+    config.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return tokenizer
+
+
+class _Conversions:
+    """Each GGUF converted once by transformers and once by the loader (the real files take
+    transformers seconds), kept for every test of the module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[str, tuple[Path, Path, PreTrainedTokenizerFast]] = {}
+
+    def of(self, name: str) -> tuple[Path, Path, PreTrainedTokenizerFast]:
+        if name not in self.done:
+            real = {"gemma3-270m": GEMMA_GGUF, "smollm2": SMOLLM2_GGUF}.get(name)
+            if real is not None and not real.exists():
+                pytest.skip(f"{real.name} not fetched")
+            path = real or _tiny_gguf(self.root / name, name)
+            ours = self.root / f"{name}-ours"
+            loader._convert_gguf(path, ours)
+            theirs = self.root / f"{name}-transformers"
+            self.done[name] = (ours, theirs, _transformers_conversion(path, theirs))
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def conversions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Conversions]:
+    yield _Conversions(tmp_path_factory.mktemp("conversions"))
+
+
+@pytest.mark.parametrize("name", ["gemma3-270m", "smollm2", *_TINY])
+def test_the_loader_writes_what_transformers_writes(name: str, conversions: _Conversions) -> None:
+    """Every file of the cached copy: config, tokenizer, its settings, the chat template."""
+    ours, theirs, _ = conversions.of(name)
+    files = sorted(p.name for p in theirs.iterdir())
+    assert sorted(p.name for p in ours.iterdir()) == files
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(files)
+    for file in files:
+        assert (ours / file).read_bytes() == (theirs / file).read_bytes(), file
+
+
+@pytest.mark.parametrize("name", ["gemma3-270m", "smollm2", "llama-sp", "llama-bl-split"])
+def test_the_converted_tokenizer_encodes_as_transformers(
+    name: str, conversions: _Conversions
+) -> None:
+    """Equal files make equal tokenizers; this checks what the engine loads from them on text
+    that exercises each part: special tokens, byte fallback, runs of spaces, digits, emoji."""
+    ours, _, reference = conversions.of(name)
+    built = loader.converted_tokenizer(ours)
+    specials = "".join(reference.all_special_tokens[:8])
+    texts = [
+        (Path(__file__).resolve().parents[1] / "data" / "apache-2.0.txt").read_text()[:2000],
+        f"{specials} between {specials}x",
+        "  two spaces,\tTAB\n\n\nthree newlines   and 1234567 digits",
+        "日本語のテキスト 🤖🚀 ünïcödé \u200b zero-width \x00 nul",
+    ]
+    for text in texts:
+        ids = reference(text)["input_ids"]
+        assert built(text)["input_ids"] == ids
+        assert built.decode(ids) == reference.decode(ids)
 
 
 def test_the_config_reads_as_with_ggufs_own_reader(tmp_path: Path) -> None:
@@ -153,6 +233,17 @@ def test_the_config_reads_as_with_ggufs_own_reader(tmp_path: Path) -> None:
         reference = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         assert fast.to_json_string() == reference.to_json_string(), path.name
         assert fast.vocab_size == file.arrays["tokenizer.ggml.tokens"].count, path.name
+
+
+def test_an_unsupported_tokenizer_is_converted_by_transformers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log says why transformers converts a tokenizer (what it writes is checked above)."""
+    path = _tiny_gguf(tmp_path / "qwen2", "qwen2-bl")
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        loader._convert_gguf(path, tmp_path / "converted")
+    assert "with transformers: transformers builds it with Qwen2Tokenizer" in caplog.text
+    assert (tmp_path / "converted" / "tokenizer.json").is_file()
 
 
 _PIECES = st.text(alphabet="ab▁é日🤖 \n", max_size=5)
