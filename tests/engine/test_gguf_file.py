@@ -1,5 +1,6 @@
 """engine.model.cpu.gguf_file reads a GGUF's header as gguf's own GGUFReader does: the same
-scalar and string metadata, the same tensor directory and data, with arrays skipped."""
+scalar and string metadata, arrays (of strings only when asked), the same tensor directory and
+data."""
 
 from __future__ import annotations
 
@@ -18,13 +19,20 @@ def test_header_matches_ggufs_reader(path: Path) -> None:
     if not path.exists():
         pytest.skip(f"{path.name} not fetched")
     ours, reference = GgufFile(path), GGUFReader(path)
-    expected = {
-        name: field.contents()
-        for name, field in reference.fields.items()
-        if field.types and field.types[0] != GGUFValueType.ARRAY and not name.startswith("GGUF.")
-    }
+    metadata = {n: f for n, f in reference.fields.items() if not n.startswith("GGUF.")}
+    assert ours.types == {name: [int(t) for t in field.types] for name, field in metadata.items()}
+    expected = {n: f.contents() for n, f in metadata.items() if f.types[0] != GGUFValueType.ARRAY}
     assert ours.fields == expected
-    assert any(f.types[:1] == [GGUFValueType.ARRAY] for f in reference.fields.values())  # skipped
+    with_strings = GgufFile(path, read_strings=True)
+    for name, field in metadata.items():
+        if field.types[0] == GGUFValueType.ARRAY:
+            values = field.contents()
+            assert ours.arrays[name].count == with_strings.arrays[name].count == len(values)
+            if field.types[1] == GGUFValueType.STRING:
+                assert ours.arrays[name].values is None, name  # skipped by their lengths
+            else:
+                assert ours.arrays[name].values.tolist() == values, name  # type: ignore[union-attr]
+            assert list(with_strings.arrays[name].values) == values, name  # type: ignore[arg-type]
     assert list(ours.tensors) == [t.name for t in reference.tensors]
     for tensor in reference.tensors:
         mine = ours.tensors[tensor.name]

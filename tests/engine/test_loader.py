@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -277,38 +276,25 @@ def test_a_converted_tokenizer_behaves_as_autotokenizer_builds_it(
             )
 
 
-def test_fast_gguf_reads_convert_exactly_as_ggufs_reader(
+def test_a_conversion_reads_the_gguf_once(
     smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The conversion under fast_gguf_reads writes the same config and tokenizer, byte for byte,
-    as transformers does with gguf's own reader, and reads the file once instead of twice."""
+    """The config and tokenizer come from one read of the file: gguf's own reader, which
+    transformers' config conversion asks for, is not built (test_gguf_tokenizer.py checks the
+    config against it), and gguf.GGUFReader is itself again after."""
     import gguf
 
-    from engine.model import gguf_reads
-
-    parses: list[str] = []
-    original_init = gguf_reads.PlainArrayReader.__init__
-
-    def counted_init(self, path, mode="r"):  # type: ignore[no-untyped-def]
-        parses.append(str(path))
-        original_init(self, path, mode)
-
-    monkeypatch.setattr(gguf_reads.PlainArrayReader, "__init__", counted_init)
-    loader._convert_gguf(smollm2_gguf, tmp_path / "fast")
-    assert parses == [str(smollm2_gguf)]
-    assert gguf.GGUFReader is gguf_reads.GGUFReader  # restored
-
-    @contextlib.contextmanager
-    def ggufs_own_reader():  # type: ignore[no-untyped-def]
-        yield
-
-    monkeypatch.setattr(loader, "fast_gguf_reads", ggufs_own_reader)
-    loader._convert_gguf(smollm2_gguf, tmp_path / "reference")
-    files = sorted(p.name for p in (tmp_path / "reference").iterdir())
-    assert (
-        files == sorted(p.name for p in (tmp_path / "fast").iterdir()) and "tokenizer.json" in files
+    reads: list[Path] = []
+    read = loader.GgufFile
+    monkeypatch.setattr(
+        loader, "GgufFile", lambda path, **kw: reads.append(path) or read(path, **kw)
     )
-    for name in files:
-        assert (tmp_path / "fast" / name).read_bytes() == (
-            tmp_path / "reference" / name
-        ).read_bytes()
+
+    def unexpected(*args: object, **kwargs: object) -> None:
+        pytest.fail("gguf's own reader read the file")
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", unexpected)
+    original = gguf.GGUFReader
+    loader._convert_gguf(smollm2_gguf, tmp_path / "converted")
+    assert reads == [smollm2_gguf]
+    assert gguf.GGUFReader is original
