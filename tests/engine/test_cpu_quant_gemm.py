@@ -84,10 +84,11 @@ def test_prefill_sized_inputs(isa, fmt):
 @pytest.mark.parametrize("isa", BUILDS)
 def test_extreme_blocks(isa):
     """int8 and int8k weights of -128 (GGUF's Q8_0 allows it; the AVX2 dot reads |w| as
-    unsigned), of 127, and of each in one half only (int8k's halves' sums and corrections apart),
-    int4 nibbles of 0 and 15, int5 integers of 0 and 31 and int6's of 0 and 63 (the AVX2 dot's
-    16-bit pair sums at their largest), each in one half only, the bits above the nibbles alone,
-    all-zero activation blocks (scale 0) and all-zero weight blocks."""
+    unsigned), of 127, and of each in one half only (int8k's halves' sums and corrections
+    apart), int4 nibbles of 0 and 15 (int4k's too, with its 6-bit scales at 63), int5 integers
+    of 0 and 31 and int6's of 0 and 63 (the AVX2 dot's 16-bit pair sums at their largest), each
+    in one half only, the bits above the nibbles alone, all-zero activation blocks (scale 0) and
+    all-zero weight blocks."""
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 50
     x[1, :32] = 0.0
     int8 = quantize(torch.randn(5, 64), "int8")
@@ -96,6 +97,8 @@ def test_extreme_blocks(isa):
     int8.records[2] = 0  # scale 0, q 0
     int4 = quantize(torch.randn(5, 64), "int4")
     int4.records[0, 16:], int4.records[1, 16:] = 0x00, 0xFF
+    int4k = quantize(torch.randn(5, 64), "int4k")  # D, M f32, sc [2], mc [2], nibbles [2][16]
+    int4k.records[0, 12:], int4k.records[1, 8:12], int4k.records[1, 12:] = 0x00, 63, 0xFF
     int5 = quantize(torch.randn(5, 64), "int5")  # d, m [2] f32, nibbles [2][16], fifth bits [2][4]
     int5.records[0, 16:], int5.records[1, 16:] = 0x00, 0xFF
     int5.records[2, 16:48], int5.records[2, 48:] = 0x00, 0xFF
@@ -109,7 +112,7 @@ def test_extreme_blocks(isa):
     q[2, :, 0], q[2, :, 1] = -128, 127
     q[3, :, 0], q[3, :, 1] = 127, -128
     int8k.records[4] = 0  # scales and offset 0, q 0
-    for weight in (int8, int4, int5, int6, int8k):
+    for weight in (int8, int4, int4k, int5, int6, int8k):
         out = run(isa, weight, x, None, threads=1)
         torch.testing.assert_close(out, reference(x, weight, None), rtol=1e-5, atol=1e-3)
 

@@ -7,6 +7,9 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
   GGUF's Q8_0, whose blocks load exactly).
 - ``int4``: ``w = d * q + m``, q in [0, 15], an fp32 scale and offset per block (d = (max - min) /
   15, m = min: GGUF's Q4_1; Q4_0's ``d * (q - 8)`` is the same with m = -8 d, so both load exactly).
+- ``int4k``: int4 whose d and m are products: ``d = D * sc``, ``m = M * mc`` with sc, mc in
+  [0, 63] per block and D, M fp32 per super-block of 8 blocks (the last may be shorter): GGUF's
+  Q4_K (M = -dmin), 19 bytes a block of 32 where int4 takes 24.
 - ``int5``: ``w = d * q + m``, q in [0, 31], as int4 with a fifth bit: GGUF's Q5_0 (m = -16 d),
   Q5_1 and Q5_K (a scale and an offset per 32), 28 bytes a block where int8 took 36.
 - ``int6``: ``w = d_half * (q - 32)``, q in [0, 63], two fp32 scales per block (d_lo for elements
@@ -19,25 +22,25 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
 
 A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8): per
 block of the column, int8: the scales, then the int8s; int4: the scales, the offsets, then the
-nibbles (16 bytes a block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's
-order); int5: int4's, then the fifth bits (4 bytes a block, a little-endian uint32 whose bit i is
-element i's, GGUF's order); int6: the low-half scales, the high-half scales, int4's nibbles,
-then the high bit pairs (8 bytes a block, bits 2 (i % 4) and up of byte i / 4 element i's);
-int8k: the low-half scales, the high-half scales, the offsets, then the int8s. Records of
-one format and K concatenate, so fused projections are a torch.cat; rows permute with an index
-(kernels/quant_gemm.c reads them).
+nibbles (16 bytes a block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's order);
+int4k: the super-blocks' D, then their M, the blocks' sc, then their mc (a byte each), then int4's
+nibbles; int5: int4's, then the fifth bits (4 bytes a block, a little-endian uint32 whose bit i is
+element i's, GGUF's order); int6: the low-half scales, the high-half scales, int4's nibbles, then
+the high bit pairs (8 bytes a block, bits 2 (i % 4) and up of byte i / 4 element i's); int8k: the
+low-half scales, the high-half scales, the offsets, then the int8s. Records of one format and K
+concatenate, so fused projections are a torch.cat; rows permute with an index (kernels/quant_gemm.c
+reads them).
 
-GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8, and there too IQ4_NL
-and IQ4_XS (``d * table[q]``, 4-bit indices into 16 fixed int8 values; IQ4_XS's d a super-block's
-fp16 times a 6-bit scale per 32, less 32), at twice their size in the file; Q4_1, Q4_0 and Q4_K
-in int4, whose super-blocks of 256 carry 6-bit scales and offsets per 32 (``d * sc * q - dmin *
-m``); in int5 Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``) and Q5_K (Q4_K's scales with 5-bit
-q); in int6 Q6_K (``d * sc * (q - 32)``, sc int8 per 16, q 6 bits); in int8k Q3_K (``d * (sc -
-32) * q``, sc 6 bits per 16, q in [-4, 3]). The products d * sc and dmin * m are exact in
-fp32, being fp16 times integers of at most 8 bits (11 + 8 significant bits < 24), so each weight
-is gguf's own single rounding of that product times q (plus the offset). GGUF stores its scales
-in fp16; widening them to fp32 is exact.
-"""
+GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8, and there too IQ4_NL and
+IQ4_XS (``d * table[q]``, 4-bit indices into 16 fixed int8 values; IQ4_XS's d a super-block's fp16
+times a 6-bit scale per 32, less 32), at twice their size in the file; Q4_1 and Q4_0 in int4; Q4_K,
+whose super-blocks of 256 carry 6-bit scales and offsets per 32 (``d * sc * q - dmin * m``), in
+int4k; in int5 Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``) and Q5_K (Q4_K's scales with 5-bit q);
+in int6 Q6_K (``d * sc * (q - 32)``, sc int8 per 16, q 6 bits); in int8k Q3_K (``d * (sc - 32) *
+q``, sc 6 bits per 16, q in [-4, 3]). The products d * sc and dmin * m are exact in fp32, being fp16
+times integers of at most 8 bits (11 + 8 significant bits < 24), so each weight is gguf's own single
+rounding of that product times q (plus the offset). GGUF stores its scales in fp16; widening them to
+fp32 is exact."""
 
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ import torch
 
 BLOCK = 32
 HALF = BLOCK // 2
-FORMATS = ("int8", "int4", "int5", "int6", "int8k")
+FORMATS = ("int8", "int4", "int4k", "int5", "int6", "int8k")
 # GGUF block types that load into a format as they are: (format, elements and bytes per block).
 GGUF_BLOCKS = {
     "Q8_0": ("int8", 32, 34),
@@ -57,7 +60,7 @@ GGUF_BLOCKS = {
     "Q5_0": ("int5", 32, 22),
     "Q4_1": ("int4", 32, 20),
     "Q4_0": ("int4", 32, 18),
-    "Q4_K": ("int4", 256, 144),
+    "Q4_K": ("int4k", 256, 144),
     "Q5_1": ("int5", 32, 24),
     "Q5_K": ("int5", 256, 176),
     "Q3_K": ("int8k", 256, 110),
@@ -77,9 +80,19 @@ _FLOATS = {"int8": 1, "int4": 2, "int5": 2, "int6": 2, "int8k": 3}
 _UPPER_BITS = {"int5": 1, "int6": 2}
 
 
+SUPER = 8  # blocks per super-block of int4k
+
+
 def record_bytes(fmt: str, k: int) -> int:
     """Bytes of one output column's record for ``k`` inputs (a multiple of BLOCK)."""
-    return k // BLOCK * _BLOCK_BYTES[fmt]
+    blocks = k // BLOCK
+    if fmt == "int4k":  # D and M per super-block, sc and mc per block, the nibbles
+        return 8 * _supers(blocks) + (2 + HALF) * blocks
+    return blocks * _BLOCK_BYTES[fmt]
+
+
+def _supers(blocks: int) -> int:
+    return (blocks + SUPER - 1) // SUPER
 
 
 @dataclass
@@ -106,6 +119,8 @@ class QuantizedWeight:
         """fp32 [N, K] (or [len(index), K]): the values the kernels multiply by."""
         records = self.records if index is None else self.records.index_select(0, index)
         n, blocks = records.shape[0], self.in_features // BLOCK
+        if self.fmt == "int4k":
+            return _int4k_as_int4(records, n, blocks).dequantize()
         floats = _FLOATS[self.fmt]
         head = records[:, : 4 * floats * blocks].contiguous().view(torch.float32)
         scales = head.view(n, floats, blocks, 1)
@@ -136,6 +151,19 @@ def _unsigned_values(fmt: str, records: torch.Tensor, n: int, blocks: int) -> to
     return q | (_upper_values(upper, width) << 4).to(torch.uint8)
 
 
+def _int4k_as_int4(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
+    """int4k records' values in int4 records: d = D * sc and m = M * mc spelled out, exact (an
+    fp32 of GGUF's fp16 times an integer below 64)."""
+    supers = _supers(blocks)
+    heads = records[:, : 8 * supers].reshape(-1).view(torch.float32).view(n, 2, supers)
+    ints = records[:, 8 * supers : 8 * supers + 2 * blocks].reshape(n, 2, blocks).float()
+    scales = heads.repeat_interleave(SUPER, dim=-1)[..., :blocks] * ints
+    nibbles = records[:, 8 * supers + 2 * blocks :]
+    return QuantizedWeight(
+        "int4", blocks * BLOCK, _records(n, [scales[:, 0], scales[:, 1], nibbles])
+    )
+
+
 def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
     """``weight`` in ``fmt``, the same values: int8, int4 and int5 convert into int8k exactly
     (both halves' scale the block's d, the offset 0 or m, the integers as int8)."""
@@ -143,6 +171,8 @@ def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
         return weight
     if fmt != "int8k" or weight.fmt == "int8k":
         raise ValueError(f"{weight.fmt} weights do not convert into {fmt}")
+    if weight.fmt == "int4k":
+        weight = _int4k_as_int4(weight.records, weight.out_features, weight.in_features // BLOCK)
     records, n = weight.records, weight.out_features
     blocks = weight.in_features // BLOCK
     scale = records[:, : 4 * blocks]
@@ -193,6 +223,8 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         scale = (high - low) / levels
         q = torch.round((blocks - low) * _inverse(scale)).clamp(0, levels).to(torch.int32)
         parts = [scale, low, *_unsigned_parts(fmt, q)]
+    elif fmt == "int4k":
+        return _quantize_int4k(blocks, n, k)
     elif fmt == "int6":
         halves = blocks.view(n, k // BLOCK, 2, HALF)
         scale = halves.abs().amax(-1, keepdim=True) / 31.0  # [n, blocks, 2 halves, 1]
@@ -209,6 +241,31 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         q = torch.round(centred * _inverse(scale)).clamp(-127, 127).to(torch.int8)
         parts = [scale[:, :, 0], scale[:, :, 1], offset, q]
     return QuantizedWeight(fmt, k, _records(n, parts))
+
+
+def _quantize_int4k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    """[n, k / 32, 32] into int4k as Q4_K's layout allows: each block's offset its minimum
+    (taken to at most 0: M <= 0, mc >= 0), its scale its range over 15, both then rounded to 6
+    bits of their super-block's largest; q rounded against the scales so made."""
+    nb, supers = k // BLOCK, _supers(k // BLOCK)
+    low = blocks.amin(-1).clamp(max=0.0)
+    scale = (blocks.amax(-1) - low) / 15.0
+    pad = supers * SUPER - nb
+    big_d, big_m = (
+        torch.nn.functional.pad(v, (0, pad)).view(n, supers, SUPER) for v in (scale, low)
+    )
+    big_d, big_m = big_d.amax(-1) / 63.0, big_m.amin(-1) / 63.0
+
+    def per_block(v: torch.Tensor) -> torch.Tensor:
+        return v.repeat_interleave(SUPER, -1)[:, :nb]
+
+    sc = torch.round(scale * per_block(_inverse(big_d))).clamp(0, 63)
+    mc = torch.round(low * per_block(_inverse(big_m))).clamp(0, 63)
+    d, m = per_block(big_d) * sc, per_block(big_m) * mc
+    q = torch.round((blocks - m[..., None]) * _inverse(d)[..., None]).clamp(0, 15)
+    nibbles = _unsigned_parts("int4", q.to(torch.int32))
+    parts = [big_d, big_m, sc.to(torch.uint8), mc.to(torch.uint8), *nibbles]
+    return QuantizedWeight("int4k", k, _records(n, parts))
 
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:
@@ -326,15 +383,14 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     """Q4_K super-blocks [n, k / 256, 144] (d, dmin fp16; 12 bytes of 6-bit scales and mins for
     8 sub-blocks; 128 bytes of nibbles, 32 per pair of sub-blocks: low nibbles the first's 32,
-    high the second's) as int4 records: per sub-block scale d * sc, offset -dmin * m."""
+    high the second's) as int4k records: D = d, M = -dmin, sc and mc the sub-blocks'."""
     d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
     sc, m = _k_scales(blocks[..., 4:16])
-    scale = (d * sc.float()).reshape(n, k // BLOCK, 1)
-    offset = (-(dmin * m.float())).reshape(n, k // BLOCK, 1)
     qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
     values = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, k // BLOCK, BLOCK)
     nibbles = values[..., :HALF] | (values[..., HALF:] << 4)
-    return QuantizedWeight("int4", k, _records(n, [scale, offset, nibbles]))
+    parts = [d, -dmin, sc.to(torch.uint8), m.to(torch.uint8), nibbles]
+    return QuantizedWeight("int4k", k, _records(n, parts))
 
 
 def _q5_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
