@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.model.cpu.fast_path import prepare_cpu_fast_path
+from engine.model.cpu.gguf_file import GgufFile
 from engine.model.cpu.quant_formats import GGUF_BLOCKS, from_gguf_blocks
 from engine.model.cpu.quant_linear import QuantizedEmbedding
 from engine.model.loader import load_model
@@ -77,9 +78,7 @@ def test_real_files_load_as_transformers_dequantises_them(path, native_types):
     """Against transformers' own GGUF loading (every tensor dequantised to fp32): a dense load
     equals it tensor for tensor; in the default mode the tensors left dense are equal, and each
     block tensor's records dequantise to the very same weight (Llama's q/k rows in transformers'
-    order), Gemma's Q6_K ffn_down included (int8k)."""
-    import gguf
-
+    order), Gemma's Q6_K ffn_down included (int6)."""
     config = EngineConfig(model=str(path), num_threads=2)
     loaded = load_model(config)
     reference = AutoModelForCausalLM.from_pretrained(
@@ -96,7 +95,9 @@ def test_real_files_load_as_transformers_dequantises_them(path, native_types):
     meta = {name for name, tensor in ours.items() if tensor.is_meta}
     for name in ours.keys() - meta:
         assert torch.equal(ours[name], reference[name]), name
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    # the tensors' block types from the engine's header reader (test_gguf_file.py holds it to
+    # gguf's GGUFReader, which takes seconds more to read Gemma's)
+    types = {name: t.tensor_type.name for name, t in GgufFile(path).tensors.items()}
     by_hf = {hf: name for name, hf in loaded.gguf._hf_names.items() if name in types}
     tied: dict[int, list[str]] = {}  # a tied weight's names (the embedding's and the head's)
     for name, param in loaded.model.named_parameters(remove_duplicate=False):
@@ -109,7 +110,7 @@ def test_real_files_load_as_transformers_dequantises_them(path, native_types):
         seen.add(next(types[by_hf[n]] for n in names if n in by_hf))
     assert seen == native_types
     if path == GEMMA_GGUF:
-        assert ours["model.layers.0.mlp.down_proj.weight"].is_meta  # Q6_K: int8k records
+        assert ours["model.layers.0.mlp.down_proj.weight"].is_meta  # Q6_K: int6 records
     fast = prepare_cpu_fast_path(loaded, config)
     assert fast.narrow is not None and loaded.gguf is None
     assert not any(p.is_meta for p in loaded.model.parameters())
