@@ -6,7 +6,7 @@ One safetensors file per (checkpoint folder as loaded, mode) under <cache>/narro
 folder's weight and config files (name, size, mtime) and `LAYOUT_VERSION`; written whole under a
 temporary name, then renamed, so readers see no file or a complete one. A file read is touched; a
 write removes the files nobody read for two weeks (`cache_dir.remove_stale`): a GGUF's records are
-~1.3x the file, and models taken out of models.yaml must not pile up.
+~1.1x the file, and models taken out of models.yaml must not pile up.
 """
 
 from __future__ import annotations
