@@ -163,12 +163,6 @@ static int upper_width(int format) {
     return format == QUANT_INT5 ? 1 : format == QUANT_INT6 ? 2 : 0;
 }
 
-/* Element i's upper bits in a record's block (`bits`: GGUF's order, 8 / width elements a byte). */
-static inline int upper_of(const uint8_t *bits, int width, int i) {
-    const int per_byte = 8 / width;
-    return (bits[i / per_byte] >> (width * (i % per_byte))) & ((1 << width) - 1);
-}
-
 /* Where quad j's upper bits lie in a packed group block: the vector (from byte 192) and the shift
  * in each of its bytes. */
 static inline int upper_at(int width, int j) { return 192 + 32 * (j / (8 / width)); }
@@ -186,11 +180,43 @@ static inline int packed_value(int format, const uint8_t *blk, int c, int quad, 
     return q;
 }
 
+/* The bits above the nibbles of one column's block, from its record (`bits`, element i's at bit
+ * width * i, little-endian) into the packed layout (`dst`: the column's 4 bytes of the first
+ * upper vector, the second 32 bytes on): byte t of vector v takes quads j = 8 v / width ... of
+ * element 4 j + t, at bits width * (j % (8 / width)). Shifts and masks gather each byte's
+ * fields (BMI2's pext would, but it is microcoded on AMD before Zen 3). */
+static void pack_upper(uint8_t *dst, const uint8_t *bits, int width) {
+    if (width == 1) {
+        uint32_t all;
+        memcpy(&all, bits, 4);
+        for (int t = 0; t < 4; t++) {
+            uint32_t x = (all >> t) & 0x11111111u; /* element 4 j + t's bit at 4 j */
+            x = (x | x >> 3) & 0x03030303u;
+            x = (x | x >> 6) & 0x000F000Fu;
+            dst[t] = (uint8_t)(x | x >> 12);
+        }
+        return;
+    }
+    for (int v = 0; v < 2; v++) {
+        uint32_t half; /* elements 16 v ... 16 v + 15's pairs */
+        memcpy(&half, bits + 4 * v, 4);
+        for (int t = 0; t < 4; t++) {
+            uint32_t x = (half >> 2 * t) & 0x03030303u; /* element 4 j + t's pair at 8 j */
+            x = (x | x >> 6) & 0x000F000Fu;
+            dst[32 * v + t] = (uint8_t)(x | x >> 12);
+        }
+    }
+}
+
 /* Column c's int8s of a block into a group's quads (quads [8][8 columns][4] at dst), as
  * unsigned q + 128. */
 static void pack_quads(uint8_t *dst, int c, const int8_t *q) {
-    for (int j = 0; j < QUADS; j++)
-        for (int t = 0; t < 4; t++) dst[j * 32 + c * 4 + t] = (uint8_t)q[4 * j + t] ^ 0x80;
+    for (int j = 0; j < QUADS; j++) { /* a quad's 4 bytes at once: a Gemma head's 168 M */
+        uint32_t quad_bytes;
+        memcpy(&quad_bytes, q + 4 * j, 4);
+        quad_bytes ^= 0x80808080u;
+        memcpy(dst + j * 32 + c * 4, &quad_bytes, 4);
+    }
 }
 
 /* Block b's scales of a packed group's 8 columns, as the kernel multiplies by them: d [8], then m
@@ -246,10 +272,8 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
                                           record_nibble(nibbles, 16 + 4 * j + t) << 4);
                     if (upper_width(format)) {
                         const int width = upper_width(format), per_byte = 8 / width;
-                        const uint8_t *bits = ints + nb * (BLOCK / 2) + b * BLOCK / per_byte;
-                        for (int i = 0; i < BLOCK; i++)
-                            dst[upper_at(width, i / 4) + c * 4 + i % 4] |=
-                                (uint8_t)(upper_of(bits, width, i) << upper_shift(width, i / 4));
+                        pack_upper(dst + upper_at(width, 0) + c * 4,
+                                   ints + nb * (BLOCK / 2) + b * BLOCK / per_byte, width);
                     }
                 } else {
                     pack_quads(dst + quads_offset(format), c, (const int8_t *)ints + b * BLOCK);
