@@ -168,6 +168,12 @@ static int upper_width(int format) {
 static inline int upper_at(int width, int j) { return 192 + 32 * (j / (8 / width)); }
 static inline int upper_shift(int width, int j) { return width * (j % (8 / width)); }
 
+/* The int8 of column c's element 4 quad + lane in a packed int8 / int8k group block (held as
+ * q + 128). */
+static inline int packed_int8(int format, const uint8_t *blk, int c, int quad, int lane) {
+    return (int8_t)(blk[quads_offset(format) + quad * 32 + c * 4 + lane] ^ 0x80);
+}
+
 /* The integer of column c's element 4 quad + lane in a packed int4 / int5 / int6 group block. */
 static inline int packed_value(int format, const uint8_t *blk, int c, int quad, int lane) {
     const uint8_t byte = blk[quads_offset(format) + (quad % 4) * 32 + c * 4 + lane];
@@ -316,8 +322,7 @@ int64_t quant_unpack_rows(int format, const uint8_t *packed, int64_t n, int64_t 
                     else
                         x[i] = scales[c] * (float)q + scales[GROUP + c];
                 } else {
-                    const int8_t q = (int8_t)(src[quads_offset(format) + quad * 32 + c * 4 + lane] ^
-                                              0x80);
+                    const int q = packed_int8(format, src, c, quad, lane);
                     if (format == QUANT_INT8K) {
                         const float d = scales[(i < BLOCK / 2 ? 0 : GROUP) + c];
                         x[i] = d * (float)q + scales[2 * GROUP + c];
@@ -401,7 +406,7 @@ static inline int32_t quad(const void *p) {
  * of each byte of `upper` (j taken modulo its 8 / width quads) moved to bit 4 and masked (16-bit
  * shifts: no bit crosses a byte on its way there). */
 static inline __m256i upper_bits(__m256i upper, const int j, const int width) {
-    const int at = width * (j % (8 / width));
+    const int at = upper_shift(width, j);
     const __m256i moved =
         at < 4 ? _mm256_slli_epi16(upper, 4 - at) : _mm256_srli_epi16(upper, at - 4);
     return _mm256_and_si256(moved, _mm256_set1_epi8((char)(((1 << width) - 1) << 4)));
@@ -638,21 +643,18 @@ static void group_rows(int format, const uint8_t *group, int64_t nb, const Quant
                     out[r][c] += wd[GROUP + c] * x[r].d[b] * (float)high;
                 } else if (format == QUANT_INT8K) {
                     int high = 0;
-                    for (int j = 0; j < QUADS; j++)
-                        for (int t = 0; t < 4; t++) {
-                            const int p = (int8_t)(blk[96 + j * 32 + c * 4 + t] ^ 0x80) *
-                                          xq[4 * j + t];
-                            if (j < QUADS / 2)
-                                dot += p;
-                            else
-                                high += p;
-                        }
+                    for (int i = 0; i < BLOCK; i++) {
+                        const int p = packed_int8(format, blk, c, i / 4, i % 4) * xq[i];
+                        if (i < BLOCK / 2)
+                            dot += p;
+                        else
+                            high += p;
+                    }
                     out[r][c] += wd[2 * GROUP + c] * x[r].s[b] +
                                  wd[GROUP + c] * x[r].d[b] * (float)high;
                 } else {
-                    for (int j = 0; j < QUADS; j++)
-                        for (int t = 0; t < 4; t++)
-                            dot += (int8_t)(blk[32 + j * 32 + c * 4 + t] ^ 0x80) * xq[4 * j + t];
+                    for (int i = 0; i < BLOCK; i++)
+                        dot += packed_int8(format, blk, c, i / 4, i % 4) * xq[i];
                 }
                 out[r][c] += wd[c] * x[r].d[b] * (float)dot;
             }
