@@ -165,8 +165,9 @@ def _int4k_as_int4(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeigh
 
 
 def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
-    """``weight`` in ``fmt``, the same values: int8, int4 and int5 convert into int8k exactly
-    (both halves' scale the block's d, the offset 0 or m, the integers as int8)."""
+    """``weight`` in ``fmt``, the same values: every other format converts into int8k exactly
+    (both halves' scale the block's d, int6's its own two; the offset 0 or m; the integers as
+    int8, int6's less 32; int4k by way of int4's records)."""
     if weight.fmt == fmt:
         return weight
     if fmt != "int8k" or weight.fmt == "int8k":
