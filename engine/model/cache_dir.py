@@ -4,6 +4,8 @@ kernel build can reach it without importing the model loader (and transformers).
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,3 +24,13 @@ def remove_stale(folder: Path, pattern: str) -> None:
                 old.unlink()
         except OSError:  # removed by a concurrent process, or not ours to remove
             continue
+
+
+def write_atomic_text(path: Path, text: str) -> None:
+    """``text`` into ``path`` under a temporary name, then renamed: readers see no file or a
+    complete one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

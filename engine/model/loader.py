@@ -18,19 +18,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub lookups; local_files_only enforces it too
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-)
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from common.cache_dir import cache_root
@@ -38,13 +32,17 @@ from engine import startup
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.file_hash import file_sha256
-from engine.model import gguf_tokenizer
+from engine.model import gguf_tokenizer, skeleton
+from engine.model.cache_dir import write_atomic_text
 from engine.model.cpu.gguf_file import GgufFile
 from engine.model.cpu.gguf_weights import GgufWeights
 from engine.model.cpu.linear import native_bf16
 from engine.model.cpu.narrow_weights import check_quantization, narrow_mode
 from engine.model.gguf_reads import fast_gguf_reads
 from engine.model.model_source import split_source
+
+if TYPE_CHECKING:  # transformers' modeling imports torch._dynamo: only where a model runs it
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +53,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class LoadedModel:
     """A model ready to run, plus what the engine needs to know about it."""
 
-    model: PreTrainedModel
+    model: nn.Module  # transformers' model, or its skeleton (engine.model.skeleton)
     tokenizer: object  # a transformers tokenizer (fast)
     hf_config: PretrainedConfig
     device: torch.device
@@ -70,6 +68,8 @@ class LoadedModel:
     # a GGUF's weights, whose blocks narrow_weights takes on the CPU (None once taken, off the
     # CPU or not a GGUF)
     gguf: GgufWeights | None = None
+    # a GGUF's model on the CPU's narrow weights: its snapshot (None: off that path)
+    snapshot: skeleton.SnapshotSlot | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,14 +106,6 @@ def _read_index(index: Path) -> str | None:
         return None
 
 
-def _write_atomic_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """The cached config and tokenizer of ``gguf_path``, converting (once) when missing."""
     root = cache_root()
@@ -130,7 +122,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
             shutil.rmtree(target, ignore_errors=True)
             raise ModelLoadError(f"GGUF file {str(gguf_path)!r} changed while being converted")
         log.info("converted %s into %s in %.1fs", gguf_path, target, time.monotonic() - started)
-    _write_atomic_text(index, json.dumps({"sha256": sha, "path": str(gguf_path.resolve())}))
+    write_atomic_text(index, json.dumps({"sha256": sha, "path": str(gguf_path.resolve())}))
     return target
 
 
@@ -179,13 +171,23 @@ def _gguf_tokenizer(
 
 
 def _gguf_model(
-    gguf_path: Path, hf_config: PretrainedConfig, keep_blocks: bool
-) -> tuple[PreTrainedModel, GgufWeights]:
-    """The model of ``gguf_path``, built on the meta device and filled from the file (fp32),
-    and the GgufWeights that reads it; with ``keep_blocks``, the weights the narrow kernels read
-    stay on the meta device for narrow_weights to take from it."""
-    with startup.phase("model skeleton"), torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    gguf_path: Path,
+    hf_config: PretrainedConfig,
+    keep_blocks: bool,
+    slot: skeleton.SnapshotSlot | None,
+) -> tuple[nn.Module, GgufWeights]:
+    """The model of ``gguf_path`` filled from the file (fp32), and the GgufWeights that reads it:
+    the skeleton ``slot`` holds when it holds one, else transformers' model, built on the meta
+    device. With ``keep_blocks``, the weights the narrow kernels read stay on the meta device for
+    narrow_weights to take from it."""
+    with startup.phase("model skeleton"):
+        if slot is not None and slot.found is not None:
+            model = skeleton.restore(slot.found, hf_config)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     try:
         with startup.phase("weights"):
             weights = GgufWeights(gguf_path, model)
@@ -193,6 +195,18 @@ def _gguf_model(
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ModelLoadError(f"cannot load the weights of {str(gguf_path)!r}: {exc}") from exc
     return model, weights
+
+
+def _snapshot_slot(source: Path, config: EngineConfig, dtype: torch.dtype) -> skeleton.SnapshotSlot:
+    """Where the snapshot of a GGUF's model lives: keyed by the file (the converted folder is
+    named by its sha256) and what the lean forward's check depends on."""
+    options = {
+        "dtype": str(dtype),
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "quantization": config.quantization,
+    }
+    path = cache_root() / "snapshots" / f"{skeleton.snapshot_key(source.name, options)}.json"
+    return skeleton.SnapshotSlot(path, found=skeleton.read(path))
 
 
 def _check_causal_lm(hf_config: PretrainedConfig) -> None:
@@ -313,16 +327,20 @@ def load_model(config: EngineConfig) -> LoadedModel:
             )
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {str(source)!r}: {exc}") from exc
+    slot = None
     try:
         if gguf_path is not None:
             keep_blocks = device.type == "cpu" and narrow_mode(config, dtype) == "gguf"
-            model, gguf_weights = _gguf_model(gguf_path, hf_config, keep_blocks)
+            slot = _snapshot_slot(source, config, dtype) if keep_blocks else None
+            model, gguf_weights = _gguf_model(gguf_path, hf_config, keep_blocks, slot)
             if device.type != "cpu":  # the narrow formats are the CPU's: all dense
                 gguf_weights.materialize(model)
                 gguf_weights = None
             if dtype != torch.float32:
                 model.to(dtype)
         else:
+            from transformers import AutoModelForCausalLM
+
             with startup.phase("weights"):
                 model = AutoModelForCausalLM.from_pretrained(
                     source, local_files_only=True, dtype=dtype, config=hf_config
@@ -332,6 +350,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if device.type != "cpu":  # on the CPU already, weights the narrow path takes still on meta
         model.to(device)
     model.eval().requires_grad_(False)
+    if slot is not None and slot.found is not None:
+        eos_token_ids = set(slot.found.eos_token_ids)
+    else:
+        eos_token_ids = _eos_ids(tokenizer, model)
+        if slot is not None:
+            slot.pending = _describe(model, eos_token_ids)
     text = _text_config(model.config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return LoadedModel(
@@ -340,7 +364,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         hf_config=model.config,
         device=device,
         dtype=dtype,
-        eos_token_ids=_eos_ids(tokenizer, model),
+        eos_token_ids=eos_token_ids,
         num_layers=text.num_hidden_layers,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
         head_dim=head_dim,
@@ -348,4 +372,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
         vocab_size=text.vocab_size,
         source=str(source),
         gguf=gguf_weights,
+        snapshot=slot,
     )
+
+
+def _describe(model: nn.Module, eos_token_ids: set[int]) -> skeleton.Snapshot | None:
+    """``model``'s snapshot, or None (logged) where its tree is not one a skeleton rebuilds."""
+    try:
+        return skeleton.describe(model, eos_token_ids)
+    except skeleton.NotDescribable as exc:
+        log.info(
+            "no snapshot of %s: %s; every start builds transformers' model",
+            type(model).__name__,
+            exc,
+        )
+        return None

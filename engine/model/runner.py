@@ -10,9 +10,11 @@ may also offer a lean forward that the runner keeps only where it reproduces tra
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import time
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +34,6 @@ from engine.model.park.weights import WeightParker
 from engine.model.step_batch import StepBatch
 from engine.model.step_context import StepContext
 from engine.model.step_profile import StepProfile
-from engine.model.transformers_attention import CONTEXT_KWARG, use_paged_attention
 
 if TYPE_CHECKING:
     from engine.model.cpu.lean_forward import LeanLlamaForward
@@ -63,12 +64,15 @@ class ModelRunner:
         self.profile = StepProfile()  # off: benchmarks turn it on (engine.model.step_profile)
         # CPU: thread count and prepacked linears (None on other devices)
         self.cpu = prepare_cpu_fast_path(loaded, config)
-        use_paged_attention(self.model)
+        # rebuilt from its snapshot (engine.model.skeleton): the lean forward runs, as checked at
+        # an earlier start; transformers' forward is not there to run
+        self.snapshot = loaded.snapshot
+        restored = self.snapshot is not None and self.snapshot.restored
+        if not restored:
+            _transformers_attention().use_paged_attention(self.model)
         # Chosen once; every step's StepContext carries it to the attention calls.
         self.attention_backend = select_backend(self.device)
         self.num_fused_norms = fuse_rms_norms(self.model)
-        self._base_model = self.model.base_model
-        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.spec = KVCacheSpec(
             num_layers=loaded.num_layers,
             block_size=config.block_size,
@@ -77,11 +81,16 @@ class ModelRunner:
             dtype=self._kv_cache_dtype(),
         )
         self.lean: LeanLlamaForward | None = None
+        if restored:
+            self.lean = self._restored_lean_forward()
         self.activation_bytes: int | None = None  # CUDA: measured by _kv_budget_bytes
         with startup.phase("kv probe"):
             budget = self._kv_budget_bytes(max_model_len)
-        with startup.phase("lean check"):
-            self.lean = self._checked_lean_forward()
+        if not restored:
+            with startup.phase("lean check"):
+                self.lean = self._checked_lean_forward()
+            if self.lean is not None and self.snapshot is not None:
+                self.snapshot.save()
         self.num_blocks = num_blocks_for_budget(self.spec, budget, max_model_len)
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
         # sleep and wake: every object that holds weights is a root of the parker's walk
@@ -168,6 +177,20 @@ class ModelRunner:
                 "through transformers' attention interface"
             )
         return sum(k.numel() * k.element_size() * 2 for k, _ in caches)
+
+    def _restored_lean_forward(self) -> LeanLlamaForward:
+        """The lean forward of a model rebuilt from its snapshot. A snapshot is written only once
+        the same code's lean forward passed its check on transformers' model: one that does not
+        give a lean forward is discarded, so that the next start checks again."""
+        lean = self.cpu.lean_forward() if self.cpu is not None else None
+        if lean is None:
+            self.snapshot.discard()
+            raise ModelLoadError(
+                f"the model rebuilt from {self.snapshot.path} runs no lean forward (logged above); "
+                "that snapshot is removed, and the next start builds transformers' model"
+            )
+        log.info("lean forward in use (checked against transformers at an earlier start)")
+        return lean
 
     def _checked_lean_forward(self) -> LeanLlamaForward | None:
         """The lean forward when the model supports it and it reproduces the transformers path's
@@ -360,15 +383,19 @@ class ModelRunner:
             "input_ids": input_ids[None],
             "position_ids": positions[None],
             "use_cache": False,
-            CONTEXT_KWARG: ctx,
+            _transformers_attention().CONTEXT_KWARG: ctx,
         }
         if rows is None:
-            self._base_model(**kwargs)
+            self.model.base_model(**kwargs)
             return None
         if self._keeps_logits:
             # The model's own head (with any final soft-capping or scaling) on the needed rows only.
             return self.model(**kwargs, logits_to_keep=rows).logits[0]
         return self.model(**kwargs).logits[0].index_select(0, rows)
+
+    @functools.cached_property
+    def _keeps_logits(self) -> bool:
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def _copy_blocks(self, copy_ops: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copy_ops], dtype=torch.long, device=self.device)
@@ -376,3 +403,11 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+
+def _transformers_attention() -> ModuleType:
+    """engine.model.transformers_attention, imported where transformers' forward runs: it
+    registers with transformers' attention interface, whose import is transformers' modeling."""
+    from engine.model import transformers_attention
+
+    return transformers_attention

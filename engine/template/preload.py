@@ -4,7 +4,10 @@ thread held, an OpenMP team, stays broken in the child).
 
 The list is the engine's own import path (its CLI, server, core, loader, CPU fast path, grammar
 compiler), the libraries it pulls in, and the modules transformers imports lazily once it knows
-the model: configuration, modeling and tokenizers of the architectures most GGUFs carry. Only
+the model: configuration and tokenizers of the architectures most GGUFs carry. Not their modeling
+modules (and so not torch._dynamo, which those import: ~190 MiB): an engine whose model its
+snapshot rebuilds runs none of them (engine.model.skeleton), and a file's first start imports
+them itself. Only
 imports: nothing here may run an OpenMP parallel region, start a thread or set torch's thread
 count (an engine sets its own, after the fork).
 """
@@ -53,8 +56,8 @@ LIBRARIES = (
     "uvloop",
     "prometheus_client",
 )
-# transformers.models.<name>: configuration_, modeling_ and, where the family has its own,
-# tokenization_ modules (the others use a sibling's: gemma3 gemma's, qwen3 qwen2's ...).
+# transformers.models.<name>: configuration_ and, where the family has its own, tokenization_
+# modules (the others use a sibling's: gemma3 gemma's, qwen3 qwen2's ...).
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3")
 TOKENIZER_FAMILIES = ("llama", "gpt2", "qwen2", "qwen3_5", "gemma", "t5")
 # what transformers reads a GGUF's tokenizer and config with
@@ -75,11 +78,7 @@ TRANSFORMERS_NAMES = (
 
 def modules() -> list[str]:
     """Every module to import, in order (libraries first: the engine's modules need them)."""
-    architectures = [
-        f"transformers.models.{name}.{kind}_{name}"
-        for name in ARCHITECTURES
-        for kind in ("configuration", "modeling")
-    ]
+    architectures = [f"transformers.models.{name}.configuration_{name}" for name in ARCHITECTURES]
     tokenizers = [f"transformers.models.{name}.tokenization_{name}" for name in TOKENIZER_FAMILIES]
     return [*LIBRARIES, "transformers.models.auto.tokenization_auto", *TRANSFORMERS_GGUF,
             *architectures, *tokenizers, *ENGINE_MODULES]  # fmt: skip

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.model.cpu.fast_path import prepare_cpu_fast_path
 from engine.model.loader import load_model
+from engine.model.runner import ModelRunner
+from engine.model.step_batch import StepBatch
 from tests.conftest import GEMMA_GGUF, SMOLLM2_GGUF
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "apache-2.0.txt"
@@ -33,20 +34,30 @@ MODELS = {"smollm2": SMOLLM2_GGUF, "gemma3": GEMMA_GGUF}
 
 
 def _scores(path: Path, quantization: str) -> tuple[float, torch.Tensor]:
-    """(perplexity, argmax per position) of the model under ``quantization``."""
-    config = EngineConfig(model=str(path), quantization=quantization, num_threads=2)
+    """(perplexity, argmax per position) of the model under ``quantization``, as the engine's
+    runner computes its logits (the lean forward, where it runs)."""
+    config = EngineConfig(
+        model=str(path),
+        quantization=quantization,
+        num_threads=2,
+        max_model_len=WINDOW,
+        kv_cache_memory=64 * 2**20,
+    )
     loaded = load_model(config)
-    fast = prepare_cpu_fast_path(loaded, config)
-    assert (fast.narrow is None) == (quantization == "none")
-    ids = torch.tensor(loaded.tokenizer(TEXT.read_text()).input_ids[:TOKENS])
+    runner = ModelRunner(config, loaded, WINDOW)
+    assert (runner.cpu.narrow is None) == (quantization == "none")
+    ids = loaded.tokenizer(TEXT.read_text()).input_ids[:TOKENS]
     assert len(ids) == TOKENS
+    table = list(range(runner.spec.blocks_for_tokens(WINDOW)))
     nll, predictions = 0.0, []
-    with torch.inference_mode():
-        for start in range(0, TOKENS, WINDOW):
-            window = ids[start : start + WINDOW]
-            logits = loaded.model(input_ids=window[None], use_cache=False).logits[0].float()
-            nll += torch.nn.functional.cross_entropy(logits[:-1], window[1:], reduction="sum")
-            predictions.append(logits[:-1].argmax(-1))
+    for start in range(0, TOKENS, WINDOW):
+        window = ids[start : start + WINDOW]
+        rows = list(range(len(window)))
+        batch = StepBatch(window, rows, [len(window)], [len(window)], [table], rows)
+        logits = runner.execute(batch).float()
+        targets = torch.tensor(window[1:])
+        nll += torch.nn.functional.cross_entropy(logits[:-1], targets, reduction="sum").item()
+        predictions.append(logits[:-1].argmax(-1))
     return math.exp(nll / (TOKENS - TOKENS // WINDOW)), torch.cat(predictions)
 
 

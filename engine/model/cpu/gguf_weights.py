@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from engine import startup
 from engine.model.cpu.gguf_file import GgufFile
 from engine.model.cpu.quant_formats import GGUF_BLOCKS, QuantizedWeight, from_gguf_blocks
 from engine.model.cpu.quantize import narrowable_embedding
+
+if TYPE_CHECKING:  # the model may be a skeleton (engine.model.skeleton): no modeling import
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 

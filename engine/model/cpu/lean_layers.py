@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.model.cpu.linear import FusedMember, PrepackedLinear
 from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
+from engine.model.skeleton import ScaledEmbedding
 
 # The linears the lean forward runs: prepacked dense ones or narrow-weight ones.
 Linear = PrepackedLinear | QuantizedLinear
@@ -110,9 +111,13 @@ def family_of(config: object) -> Family:
 
 
 def check_embedding(embedding: nn.Module, family: Family) -> None:
-    """Plain lookups, or the family's scaled embedding (called as it is: it scales itself)."""
+    """Plain lookups, or the family's scaled embedding (transformers' or a skeleton's, called as
+    it is: it scales itself)."""
     kind = type(embedding)
-    if kind not in (nn.Embedding, QuantizedEmbedding) and kind.__name__ != family.scaled_embedding:
+    scaled = family.scaled_embedding is not None and (
+        kind is ScaledEmbedding or kind.__name__ == family.scaled_embedding
+    )
+    if kind not in (nn.Embedding, QuantizedEmbedding) and not scaled:
         raise Unsupported(f"embedding {kind.__name__} is not a plain lookup")
 
 
