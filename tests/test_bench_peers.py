@@ -54,12 +54,14 @@ def test_real_gguf_bytes_per_token_per_format(tensors):
     assert weights.bytes_per_token(tensors, "fp32") == SMOLLM2_PARAMS * 4
     assert weights.bytes_per_token(tensors, "f16") == matrices * 2 + norms * 4
     # Modelyard's records: fp32 scale (int8: 4 + 32 bytes a block), scale + offset (int4: 4 + 4
-    # + 16); auto keeps each tensor's own block type
-    assert weights.bytes_per_token(tensors, "int8") == matrices * 36 / 32 + norms * 4
-    # int4 keeps the vocabulary (the tied embedding / lm_head) in int8
-    expected_int4 = layers * 24 / 32 + embd.n_elements * 36 / 32 + norms * 4
+    # + 16), but a Q8_0 tensor as the file holds it (int8h: 2 + 32); auto keeps each tensor's own
+    # block type
+    embd_bytes = embd.n_elements * Q8_0_BLOCK / 32
+    assert weights.bytes_per_token(tensors, "int8") == layers * 36 / 32 + embd_bytes + norms * 4
+    # int4 keeps the vocabulary (the tied embedding / lm_head) in int8: the file's Q8_0
+    expected_int4 = layers * 24 / 32 + embd_bytes + norms * 4
     assert weights.bytes_per_token(tensors, "int4") == expected_int4
-    expected_auto = layers * 24 / 32 + embd.n_elements * 36 / 32 + norms * 4
+    expected_auto = layers * 24 / 32 + embd_bytes + norms * 4
     assert weights.bytes_per_token(tensors, "auto") == expected_auto
 
 

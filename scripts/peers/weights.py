@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.model.cpu.quant_formats import GGUF_BLOCKS, record_bytes
+from engine.model.cpu.quant_formats import GGUF_BLOCKS, NARROWER, record_bytes
 from scripts.peers.gguf_header import TensorInfo as Tensor
 from scripts.peers.gguf_header import read_header
 
 # Bytes per matrix weight of the plain formats. "gguf": as the file stores it (Q4_1's 20-byte
 # blocks of 32, the embedding's Q8_0), what llama-server reads. "int8" and "int4": Modelyard's
 # records (fp32 scales, and offsets for int4: 36 and 24 bytes a block of 32, so int4 reads 20%
-# more than Q4_1). "auto": Modelyard's default on a GGUF, each tensor's own blocks in the
-# matching format, the rest fp32.
+# more than Q4_1; a Q8_0 tensor as the file holds it, int8h's 34). "auto": Modelyard's default
+# on a GGUF, each tensor's own blocks in the matching format, the rest fp32.
 FORMATS = ("gguf", "auto", "int8", "int4", "f16", "fp32")
 PLAIN_BYTES = {"f16": 2, "fp32": 4}
 NORM_BYTES = 4  # per element of a 1-D tensor: F32 in every format
@@ -38,10 +38,11 @@ def matrix_bytes(t: Tensor, fmt: str) -> int:
     """Bytes of the 2-D tensor ``t`` held as ``fmt``."""
     if fmt == "gguf":
         return t.n_bytes
-    if fmt == "auto":
-        fmt = GGUF_BLOCKS.get(t.ggml_type, ("fp32",))[0]
+    native = GGUF_BLOCKS.get(t.ggml_type, ("fp32",))[0]
     if fmt == "int4" and t.name in VOCABULARY:
         fmt = "int8"
+    if fmt in ("auto", native) or NARROWER.get(fmt) == native:  # the file's blocks as they are
+        fmt = native
     if fmt in PLAIN_BYTES:
         return t.n_elements * PLAIN_BYTES[fmt]
     k = t.shape[0]

@@ -83,18 +83,25 @@ def test_prefill_sized_inputs(isa, fmt):
 
 @pytest.mark.parametrize("isa", BUILDS)
 def test_extreme_blocks(isa):
-    """int8 and int8k weights of -128 (GGUF's Q8_0 allows it; the AVX2 dot reads |w| as
-    unsigned), of 127, and of each in one half only (int8k's halves' sums and corrections
-    apart), int4 nibbles of 0 and 15 (int4k's too, with its 6-bit scales at 63), int5 integers
-    of 0 and 31 and int6's of 0 and 63 (the AVX2 dot's 16-bit pair sums at their largest), each
-    in one half only, the bits above the nibbles alone, all-zero activation blocks (scale 0) and
-    all-zero weight blocks."""
+    """int8, int8h and int8k weights of -128 (GGUF's Q8_0 allows it; the AVX2 dot reads |w| as
+    unsigned), of 127, and of each in one half only (int8k's halves' sums and corrections apart),
+    int8h's largest and subnormal fp16 scales, int4 nibbles of 0 and 15 (int4k's too, with its 6-bit
+    scales at 63), int5 integers of 0 and 31 and int6's of 0 and 63 (the AVX2 dot's 16-bit pair sums
+    at their largest), each in one half only, the bits above the nibbles alone, all-zero activation
+    blocks (scale 0) and all-zero weight blocks."""
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 50
     x[1, :32] = 0.0
     int8 = quantize(torch.randn(5, 64), "int8")
     raw = int8.records[:, 8:].view(torch.int8)
     raw[0], raw[1] = -128, 127
     int8.records[2] = 0  # scale 0, q 0
+    int8h = quantize(torch.randn(5, 64), "int8h")  # d [2] f16, q [2][32]
+    raw = int8h.records[:, 4:].view(torch.int8)
+    raw[0], raw[1] = -128, 127
+    scales = int8h.records[:, :4].view(torch.float16)
+    scales[1] = torch.tensor([65504.0, -65504.0])  # the largest fp16s, times q's extremes
+    scales[2] = torch.tensor([2.0**-24, -(2.0**-14) * 1023 / 1024])  # subnormals
+    int8h.records[3] = 0
     int4 = quantize(torch.randn(5, 64), "int4")
     int4.records[0, 16:], int4.records[1, 16:] = 0x00, 0xFF
     int4k = quantize(torch.randn(5, 64), "int4k")  # D, M f32, sc [2], mc [2], nibbles [2][16]
@@ -112,9 +119,32 @@ def test_extreme_blocks(isa):
     q[2, :, 0], q[2, :, 1] = -128, 127
     q[3, :, 0], q[3, :, 1] = 127, -128
     int8k.records[4] = 0  # scales and offset 0, q 0
-    for weight in (int8, int4, int4k, int5, int6, int8k):
+    for weight in (int8, int8h, int4, int4k, int5, int6, int8k):
         out = run(isa, weight, x, None, threads=1)
         torch.testing.assert_close(out, reference(x, weight, None), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_int8h_reads_every_fp16_scale_exactly(isa):
+    """int8h's fp16 scales widened in the kernel (vcvtph2ps, or the generic build's plain C) and in
+    its row read-back: every one of the 65,536 bit patterns (subnormals, the largest, the
+    infinities and NaNs) as one column's scale, q = 1, against activations that quantise exactly
+    (d_x = 1): each output is 127 d in fp32, exact, and each row read back is d."""
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    n = patterns.numel()
+    records = torch.ones(n, 2 + BLOCK, dtype=torch.uint8)  # q = 1
+    records[:, :2] = patterns.view(torch.uint8).view(n, 2)
+    weight = QuantizedWeight("int8h", BLOCK, records)
+    x = torch.zeros(1, BLOCK)
+    x[0, 0] = 127.0
+    d = patterns.float()
+    out = run(isa, weight, x, None)[0]
+    torch.testing.assert_close(out, 127 * d, rtol=0, atol=0, equal_nan=True)
+    lib = quant_gemm.library(isa)
+    ids = torch.arange(n)
+    rows = quant_gemm.unpack_rows(lib, "int8h", quant_gemm.pack(lib, weight), n, BLOCK, ids)
+    torch.testing.assert_close(rows, d[:, None].expand(n, BLOCK), rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(rows.isnan(), weight.dequantize().isnan())
 
 
 @pytest.mark.parametrize("fmt", quant_formats.FORMATS)

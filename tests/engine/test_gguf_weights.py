@@ -1,7 +1,6 @@
 """A GGUF's weights come from the file as it holds them: each block type a narrow format holds
-(Q8_0, IQ4_NL, IQ4_XS -> int8; Q4_0, Q4_1, Q4_K -> int4; Q5_0, Q5_1, Q5_K -> int5; Q3_K, Q6_K ->
-int8k) reproduces gguf's
-own dequantisation bit for bit,
+(Q8_0, IQ4_NL -> int8h; IQ4_XS -> int8; Q4_0, Q4_1 -> int4; Q4_K -> int4k; Q5_0, Q5_1, Q5_K ->
+int5; Q6_K -> int6; Q3_K -> int8k) reproduces gguf's own dequantisation bit for bit,
 and a whole model loaded from the file equals the one transformers builds by dequantising every
 tensor (its weights on narrow records where the file's blocks allow, in the same row order)."""
 
@@ -60,6 +59,24 @@ def test_each_block_type_loads_bit_exact(block_type):
     assert torch.equal(weight.dequantize(), reference)
     index = torch.tensor([5, 0, 23])
     assert torch.equal(weight.dequantize(index), reference[index])
+
+
+@pytest.mark.parametrize("block_type", ["Q8_0", "IQ4_NL"])
+def test_fp16_scales_load_as_the_file_holds_them(block_type):
+    """Q8_0's and IQ4_NL's scales go into int8h as the file's fp16s (Q8_0's records the file's 34
+    bytes a block): every finite fp16 as a block's scale, subnormals and the largest included,
+    dequantises bit for bit as gguf does."""
+    _, elements, size = GGUF_BLOCKS[block_type]
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    scales = patterns[np.isfinite(patterns.view(np.float16))].reshape(-1, 16)  # 16 blocks a row
+    rows = scales.shape[0]
+    blocks = np.random.default_rng(3).integers(0, 256, (rows, 16, size), dtype=np.uint8)
+    blocks[..., :2] = scales.view(np.uint8).reshape(rows, 16, 2)
+    raw = blocks.reshape(rows, -1)
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[block_type]).copy())
+    weight = from_gguf_blocks(block_type, raw, 16 * elements)
+    assert weight.fmt == "int8h" and weight.nbytes == rows * 16 * 34
+    assert torch.equal(weight.dequantize(), reference)
 
 
 def _needs(path: Path) -> pytest.MarkDecorator:

@@ -51,10 +51,11 @@ def _linears(model: nn.Module) -> dict[str, int]:
 @pytest.mark.parametrize(
     ("quantization", "native", "quantized", "formats"),
     [
-        # 30 layers x 7 Q4_1 linears, the Q8_0 embedding (its tied lm_head shares the records)
-        ("auto", 211, 0, {"int4", "int8"}),
-        ("int4", 211, 0, {"int4", "int8"}),  # the vocabulary stays int8 in int4 mode
-        ("int8", 1, 210, {"int8"}),
+        # 30 layers x 7 Q4_1 linears, the Q8_0 embedding (its tied lm_head shares the records),
+        # in int8h (int8 with the file's fp16 scales) in every mode
+        ("auto", 211, 0, {"int4", "int8h"}),
+        ("int4", 211, 0, {"int4", "int8h"}),  # the vocabulary stays int8 in int4 mode
+        ("int8", 1, 210, {"int8", "int8h"}),
     ],
 )
 def test_smollm2_gguf_loads_its_own_blocks(quantization, native, quantized, formats):
@@ -66,7 +67,7 @@ def test_smollm2_gguf_loads_its_own_blocks(quantization, native, quantized, form
     assert isinstance(model.get_input_embeddings(), QuantizedEmbedding)
     assert isinstance(model.lm_head, QuantizedLinear)
     embedding = model.get_input_embeddings()
-    assert model.lm_head.fmt == embedding.fmt == "int8"  # the tied table, quantised once
+    assert model.lm_head.fmt == embedding.fmt == "int8h"  # the tied table, loaded once
     # every linear is narrow (q/k/v and gate/up fused: 4 GEMMs a layer, plus the lm_head)
     assert sum(_linears(model).values()) == 30 * 4 + 1
     assert LeanLlamaForward.build(model) is not None

@@ -3,8 +3,10 @@ blocks into them, and the torch reference that turns them back into fp32.
 
 Every format works in blocks of 32 consecutive inputs of one output column, GGUF's block size:
 
-- ``int8``: ``w = d * q``, q in [-128, 127], one fp32 scale per block (symmetric, d = max|w| / 127:
-  GGUF's Q8_0, whose blocks load exactly).
+- ``int8``: ``w = d * q``, q in [-128, 127], one fp32 scale per block (symmetric, d = max|w| / 127),
+  36 bytes a block: what we quantise at load, and GGUF's IQ4_XS (whose d is not an fp16).
+- ``int8h``: int8 with the scale an fp16, 34 bytes a block: GGUF's Q8_0 (and IQ4_NL), whose blocks
+  load as they are; quantising into it rounds d to fp16 (Q8_0's quantiser).
 - ``int4``: ``w = d * q + m``, q in [0, 15], an fp32 scale and offset per block (d = (max - min) /
   15, m = min: GGUF's Q4_1; Q4_0's ``d * (q - 8)`` is the same with m = -8 d, so both load exactly).
 - ``int4k``: int4 whose d and m are products: ``d = D * sc``, ``m = M * mc`` with sc, mc in
@@ -17,12 +19,13 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
 - ``int8k``: ``w = d_half * q + m``, q in [-128, 127], two fp32 scales per block (d_lo for elements
   0-15, d_hi for 16-31) and one fp32 offset: Q3_K's scale per 16. Quantising
   into it centres each block (m = (max + min) / 2) and scales each half symmetrically; every other
-  format converts into it exactly (`as_format`), so projections of mixed formats still fuse
-  (`concatenate`).
+  format converts into it exactly (`as_format`: int4k by way of int4, int8h of int8, their
+  scales spelled out in fp32), so projections of mixed formats still fuse (`concatenate`).
 
 A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8): per
-block of the column, int8: the scales, then the int8s; int4: the scales, the offsets, then the
-nibbles (16 bytes a block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's order);
+block of the column, int8: the scales, then the int8s; int8h: the same with 2-byte scales (the
+file's fp16s, copied as they are); int4: the scales, the offsets, then the nibbles (16 bytes a
+block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's order);
 int4k: the super-blocks' D, then their M, the blocks' sc, then their mc (a byte each), then int4's
 nibbles; int5: int4's, then the fifth bits (4 bytes a block, a little-endian uint32 whose bit i is
 element i's, GGUF's order); int6: the low-half scales, the high-half scales, int4's nibbles, then
@@ -31,16 +34,17 @@ low-half scales, the high-half scales, the offsets, then the int8s. Records of o
 concatenate, so fused projections are a torch.cat; rows permute with an index (kernels/quant_gemm.c
 reads them).
 
-GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8, and there too IQ4_NL and
-IQ4_XS (``d * table[q]``, 4-bit indices into 16 fixed int8 values; IQ4_XS's d a super-block's fp16
-times a 6-bit scale per 32, less 32), at twice their size in the file; Q4_1 and Q4_0 in int4; Q4_K,
-whose super-blocks of 256 carry 6-bit scales and offsets per 32 (``d * sc * q - dmin * m``), in
-int4k; in int5 Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``) and Q5_K (Q4_K's scales with 5-bit q);
-in int6 Q6_K (``d * sc * (q - 32)``, sc int8 per 16, q 6 bits); in int8k Q3_K (``d * (sc - 32) *
-q``, sc 6 bits per 16, q in [-4, 3]). The products d * sc and dmin * m are exact in fp32, being fp16
-times integers of at most 8 bits (11 + 8 significant bits < 24), so each weight is gguf's own single
-rounding of that product times q (plus the offset). GGUF stores its scales in fp16; widening them to
-fp32 is exact."""
+GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8h at its size in the file,
+and there too IQ4_NL (``d * table[q]``, 4-bit indices into 16 fixed int8 values) at twice its size;
+IQ4_XS (the same with d a super-block's fp16 times a 6-bit scale per 32, less 32: not an fp16) in
+int8; Q4_1 and Q4_0 in int4; Q4_K, whose super-blocks of 256 carry 6-bit scales and offsets per 32
+(``d * sc * q - dmin * m``), in int4k; in int5 Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``) and
+Q5_K (Q4_K's scales with 5-bit q); in int6 Q6_K (``d * sc * (q - 32)``, sc int8 per 16, q 6 bits);
+in int8k Q3_K (``d * (sc - 32) * q``, sc 6 bits per 16, q in [-4, 3]). The products d * sc and
+dmin * m are exact in fp32, being fp16 times integers of at most 8 bits (11 + 8 significant bits <
+24), so each weight is gguf's own single rounding of that product times q (plus the offset). GGUF
+stores its scales in fp16; widening them to fp32 is exact (int8h keeps them in fp16, the kernels
+widen them as they read them)."""
 
 from __future__ import annotations
 
@@ -51,11 +55,11 @@ import torch
 
 BLOCK = 32
 HALF = BLOCK // 2
-FORMATS = ("int8", "int4", "int4k", "int5", "int6", "int8k")
+FORMATS = ("int8", "int8h", "int4", "int4k", "int5", "int6", "int8k")
 # GGUF block types that load into a format as they are: (format, elements and bytes per block).
 GGUF_BLOCKS = {
-    "Q8_0": ("int8", 32, 34),
-    "IQ4_NL": ("int8", 32, 18),
+    "Q8_0": ("int8h", 32, 34),
+    "IQ4_NL": ("int8h", 32, 18),
     "IQ4_XS": ("int8", 256, 136),
     "Q5_0": ("int5", 32, 22),
     "Q4_1": ("int4", 32, 20),
@@ -66,15 +70,17 @@ GGUF_BLOCKS = {
     "Q3_K": ("int8k", 256, 110),
     "Q6_K": ("int6", 256, 210),
 }
-# Bytes per block of a record: its fp32 scales and offsets, then its integers.
+# Bytes per block of a record: its scales and offsets (fp32, int8h's fp16), then its integers.
 _BLOCK_BYTES = {
     "int8": 4 + BLOCK,
+    "int8h": 2 + BLOCK,
     "int4": 8 + HALF,
     "int5": 12 + HALF,
     "int6": 16 + HALF,
     "int8k": 12 + BLOCK,
 }
-# fp32 scales and offsets per block of a record.
+# fp32 scales and offsets per block of a record (int4k's and int8h's: those of int4 and int8,
+# `_WIDENED`).
 _FLOATS = {"int8": 1, "int4": 2, "int5": 2, "int6": 2, "int8k": 3}
 # Bits above the nibbles per element of int5 and int6.
 _UPPER_BITS = {"int5": 1, "int6": 2}
@@ -119,8 +125,8 @@ class QuantizedWeight:
         """fp32 [N, K] (or [len(index), K]): the values the kernels multiply by."""
         records = self.records if index is None else self.records.index_select(0, index)
         n, blocks = records.shape[0], self.in_features // BLOCK
-        if self.fmt == "int4k":
-            return _int4k_as_int4(records, n, blocks).dequantize()
+        if self.fmt in _WIDENED:
+            return _WIDENED[self.fmt][1](records, n, blocks).dequantize()
         floats = _FLOATS[self.fmt]
         head = records[:, : 4 * floats * blocks].contiguous().view(torch.float32)
         scales = head.view(n, floats, blocks, 1)
@@ -164,18 +170,36 @@ def _int4k_as_int4(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeigh
     )
 
 
+def _int8h_as_int8(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
+    """int8h records' values in int8 records: the fp16 scales widened to fp32, exact."""
+    scales = records[:, : 2 * blocks].reshape(-1).view(torch.float16).float().view(n, blocks)
+    return QuantizedWeight("int8", blocks * BLOCK, _records(n, [scales, records[:, 2 * blocks :]]))
+
+
+# The formats that spell another's values with narrower scales: that format, and the reader into
+# it.
+_WIDENED = {"int4k": ("int4", _int4k_as_int4), "int8h": ("int8", _int8h_as_int8)}
+# A format asked for (a --quantization mode's) and the narrower one whose blocks from a file then
+# load as they are: int8's int8h (Q8_0's fp16 scales).
+NARROWER = {"int8": "int8h"}
+
+
 def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
     """``weight`` in ``fmt``, the same values: every other format converts into int8k exactly
     (both halves' scale the block's d, int6's its own two; the offset 0 or m; the integers as
-    int8, int6's less 32; int4k by way of int4's records)."""
+    int8, int6's less 32; int4k by way of int4's records, int8h of int8's), and int4k into int4,
+    int8h into int8 (their scales spelled out in fp32)."""
     if weight.fmt == fmt:
         return weight
-    if fmt != "int8k" or weight.fmt == "int8k":
+    wider, widen = _WIDENED.get(weight.fmt, (None, None))
+    if fmt not in ("int8k", wider) or weight.fmt == "int8k":
         raise ValueError(f"{weight.fmt} weights do not convert into {fmt}")
-    if weight.fmt == "int4k":
-        weight = _int4k_as_int4(weight.records, weight.out_features, weight.in_features // BLOCK)
-    records, n = weight.records, weight.out_features
-    blocks = weight.in_features // BLOCK
+    n, blocks = weight.out_features, weight.in_features // BLOCK
+    if widen is not None:
+        weight = widen(weight.records, n, blocks)
+        if fmt == wider:
+            return weight
+    records = weight.records
     scale = records[:, : 4 * blocks]
     no_offset = torch.zeros(n, 4 * blocks, dtype=torch.uint8)
     if weight.fmt == "int8":
@@ -191,12 +215,15 @@ def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
 
 
 def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """One weight of the stacked output columns of ``weights`` (same K): in their format, or in
-    int8k where they differ (each part converted exactly), so mixed projections still fuse."""
+    """One weight of the stacked output columns of ``weights`` (same K): in their format; where
+    they differ, in the one they all widen into (int8h and int8 in int8) or else in int8k (each
+    part converted exactly), so mixed projections still fuse."""
     first = weights[0]
     if any(w.in_features != first.in_features for w in weights):
         raise ValueError("only weights of one input width concatenate")
-    fmt = first.fmt if all(w.fmt == first.fmt for w in weights) else "int8k"
+    formats = {w.fmt for w in weights}
+    wider = {_WIDENED[f][0] if f in _WIDENED else f for f in formats}
+    fmt = formats.pop() if len(formats) == 1 else wider.pop() if len(wider) == 1 else "int8k"
     records = [as_format(w, fmt).records for w in weights]
     return QuantizedWeight(fmt, first.in_features, torch.cat(records))
 
@@ -214,10 +241,11 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         raise ValueError(f"a [{', '.join(map(str, weight.shape))}] weight is not in blocks of 32")
     n, k = weight.shape
     blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-    if fmt == "int8":
+    if fmt in ("int8", "int8h"):
         scale = blocks.abs().amax(-1, keepdim=True) / 127.0
         q = torch.round(blocks * _inverse(scale)).clamp(-128, 127).to(torch.int8)
-        parts = [scale, q]
+        # int8h: q against the fp32 d, which is then stored rounded to fp16, as Q8_0's quantiser
+        parts = [scale if fmt == "int8" else scale.half(), q]
     elif fmt in ("int4", "int5"):
         levels = 15 if fmt == "int4" else 31
         low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
@@ -300,8 +328,8 @@ def from_gguf_blocks(block_type: str, raw: np.ndarray, k: int) -> QuantizedWeigh
         return _SUPER_BLOCKS[block_type](blocks, n, k)
     scale = _fp16(blocks[..., :2])
     # the nibbles and Q5's fifth bits are laid out as the records hold them: copied as they are
-    if block_type == "Q8_0":
-        parts = [scale, blocks[..., 2:]]
+    if block_type == "Q8_0":  # int8h: the scale as the file's fp16
+        parts = [blocks[..., :2], blocks[..., 2:]]
     elif block_type == "Q5_0":
         parts = [scale, -16.0 * scale, blocks[..., 6:], blocks[..., 2:6]]
     elif block_type == "Q4_1":
@@ -309,7 +337,7 @@ def from_gguf_blocks(block_type: str, raw: np.ndarray, k: int) -> QuantizedWeigh
     elif block_type == "Q4_0":
         parts = [scale, -8.0 * scale, blocks[..., 2:]]
     elif block_type == "IQ4_NL":
-        parts = [scale, _nonlinear_values(blocks[..., 2:])]
+        parts = [blocks[..., :2], _nonlinear_values(blocks[..., 2:])]
     else:  # Q5_1
         parts = [scale, _fp16(blocks[..., 2:4]), blocks[..., 8:], blocks[..., 4:8]]
     return QuantizedWeight(fmt, k, _records(n, parts))

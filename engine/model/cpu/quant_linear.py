@@ -5,7 +5,7 @@ over the memory bandwidth: int8 reads a quarter of fp32's bytes and int4 about a
 `QuantizedLinear` GEMMs run in C (kernels/quant_gemm.c) on the weight in the kernel's layout; the
 embedding keeps the column records (one per token) and dequantises only the rows it looks up; tied
 to a narrow lm_head (`QuantizedEmbedding.tie_to`), it looks them up in the head's kernel layout
-instead of holding the same values twice (180 MiB of Gemma 3 270M's 262,144-token table).
+instead of holding the same values twice (170 MiB of Gemma 3 270M's 262,144-token table).
 """
 
 from __future__ import annotations

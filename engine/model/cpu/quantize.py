@@ -4,8 +4,9 @@ Where each weight comes from: a GGUF tensor whose blocks a format holds exactly
 (engine.model.cpu.quant_formats.GGUF_BLOCKS) loads as it is, from the file's blocks in the row
 order transformers gives it (engine.model.cpu.gguf_weights); any other weight of a quantizable
 shape is quantised from its fp32 values. ``gguf`` mode (the default for GGUF files) takes only
-the first kind and leaves the rest dense; ``int8`` / ``int4`` put every linear in that format,
-except that int4 keeps the embedding and lm_head in int8 (as llama.cpp's quantiser keeps its
+the first kind and leaves the rest dense; ``int8`` / ``int4`` put every linear in that format (a
+Q8_0 weight as the file's blocks, in int8h: int8 with fp16 scales), except that int4 keeps the
+embedding and lm_head in int8 (as llama.cpp's quantiser keeps its
 output tensor at 6 bits or more: in int4 SmolLM2's top token changed on half of the load probe).
 q/k/v and gate/up fuse into one GEMM each, as on the dense path (parts of mixed formats in int8k,
 which holds each exactly); an embedding tied to a narrow lm_head reads its rows from the head.
@@ -27,7 +28,13 @@ from torch import nn
 from engine.model.cpu import narrow_cache
 from engine.model.cpu.linear import fuse_groups, own_gate_up, stacked_bias
 from engine.model.cpu.narrow_cache import Choice
-from engine.model.cpu.quant_formats import QuantizedWeight, concatenate, quantizable, quantize
+from engine.model.cpu.quant_formats import (
+    NARROWER,
+    QuantizedWeight,
+    concatenate,
+    quantizable,
+    quantize,
+)
 from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
 
 MODES = ("gguf", "int8", "int4")
@@ -88,7 +95,8 @@ class _Quantizer:
             return None, False
         fmt = "int8" if vocabulary and self.mode == "int4" else self.mode
         native = self.native(hf_names) if self.native else None
-        if native is not None and fmt in ("gguf", native.fmt):
+        # in the format asked for, or in its narrower spelling (Q8_0's int8h for int8)
+        if native is not None and (fmt == "gguf" or native.fmt in (fmt, NARROWER.get(fmt))):
             return native, True
         if fmt == "gguf":
             return None, False

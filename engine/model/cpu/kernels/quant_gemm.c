@@ -1,36 +1,40 @@
 /* Linear layers on narrow weights: y = x W^T + b with W in blocks of 32 along the input dimension,
- * each block one to three fp32 scales and 32 integers (engine/model/cpu/quant_formats.py):
+ * each block one to three fp32 scales (int8h: one fp16) and 32 integers
+ * (engine/model/cpu/quant_formats.py):
  *
- *   int8 (QUANT_INT8): w = d * q, q in [-128, 127]      GGUF's Q8_0 blocks, or quantised at load
+ *   int8 (QUANT_INT8): w = d * q, q in [-128, 127]      quantised at load; GGUF's IQ4_XS
+ *   int8h (QUANT_INT8H): int8 with d an fp16            GGUF's Q8_0 and IQ4_NL blocks
  *   int4 (QUANT_INT4): w = d * q + m, q in [0, 15]      GGUF's Q4_1 (and Q4_0: m = -8 d) blocks
  *   int4k (QUANT_INT4K): int4 with d = D * sc, m = M * mc  GGUF's Q4_K (sc, mc 6 bits per
  *                                                       block, D, M fp32 per 8 blocks)
  *   int5 (QUANT_INT5): w = d * q + m, q in [0, 31]      GGUF's Q5_0 (m = -16 d), Q5_1, Q5_K
  *   int6 (QUANT_INT6): w = d_half * (q - 32), q in [0, 63]   GGUF's Q6_K (one d per 16)
- *   int8k (QUANT_INT8K): w = d_half * q + m, q int8     one d per 16 inputs: GGUF's Q6_K, Q5_K,
- *                                                       Q3_K, Q5_1; mixed fused projections
+ *   int8k (QUANT_INT8K): w = d_half * q + m, q int8     one d per 16 inputs: GGUF's Q3_K; mixed
+ *                                                       fused projections
  *
  * quant_pack turns the column records of quant_formats.py into groups of GROUP = 8 interleaved
  * output columns: per group and block, the 8 columns' scales, then the integers in quads of 4
  * consecutive inputs, one 32-bit lane per column. One vpdpbusd of such a vector against 4
  * activations broadcast then adds 4 products to each of 8 columns, so the integer sums of a block
  * come out per column without any horizontal reduction, and the scales cost one conversion and one
- * multiply-add per 8 columns and block (on column-major records they cost that per column: 3x
- * slower at 16-64 rows, docs/PERFORMANCE.md#narrow-weights). The activations are quantised per
- * row and block to int8 on the way in (d_x = max|x| / 127), so a block's dot product is an
- * integer one: d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for int4 and int8k, whose halves' sums
- * each take their own d_w). Up to ROWS input rows share each weight load. The dots run on
- * vpdpbusd (AVX512-VNNI on 256-bit vectors, or AVX-VNNI), AVX2 (vpmaddubsw + vpmaddwd) or plain C,
- * as the build's target allows (kernels/build.py). */
+ * multiply-add per 8 columns and block, int8h's fp16s one vcvtph2ps more (on column-major records
+ * they cost that per column: 3x slower at 16-64 rows, docs/PERFORMANCE.md#narrow-weights). The
+ * activations are quantised per row and block to int8 on the way in (d_x = max|x| / 127), so a
+ * block's dot product is an integer one: d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for int4 and
+ * int8k, whose halves' sums each take their own d_w). Up to ROWS input rows share each weight
+ * load. The dots run on vpdpbusd (AVX512-VNNI on 256-bit vectors, or AVX-VNNI), AVX2 (vpmaddubsw +
+ * vpmaddwd; these builds need F16C too, which every AVX2 CPU has) or plain C, as the build's
+ * target allows (kernels/build.py). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "fast_exp.h"
 #include "quant_gemm.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) /* every AVX2 CPU has F16C */
 #include <immintrin.h>
 #define QUANT_SIMD 1
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -51,7 +55,7 @@
 #define SERIAL_QUANTIZE 32768 /* activations (m x k) up to which one thread quantises them */
 
 enum { QUANT_INT8 = 0, QUANT_INT4 = 1, QUANT_INT8K = 2, QUANT_INT5 = 3, QUANT_INT6 = 4,
-       QUANT_INT4K = 5 };
+       QUANT_INT4K = 5, QUANT_INT8H = 6 };
 #define SUPER 8     /* int4k's blocks per super-block */
 #define SUPER_HEAD 64 /* int4k's D [8] and M [8] f32 before each super-block's blocks */
 
@@ -66,7 +70,8 @@ const char *quant_gemm_isa(void) {
 #endif
 }
 
-/* Bytes of one group's block: int8 d [8] f32, u [8 quads][8 columns][4]; int4 d [8], m [8] f32,
+/* Bytes of one group's block: int8 d [8] f32, u [8 quads][8 columns][4]; int8h the same with d
+ * [8] f16 (the file's, as they are: 16 bytes a block less); int4 d [8], m [8] f32,
  * nibbles [4][8 columns][4] whose low nibbles are quad j and high nibbles quad j + 4; int5 int4's,
  * then fifth bits [8 columns][4] (bit j: quad j's, so that one 32-byte load serves the block and
  * a shift and a mask take each quad's); int6 d_lo [8], d_hi [8] f32, int4's nibbles, then the
@@ -85,6 +90,7 @@ static int64_t group_block_bytes(int format) {
     case QUANT_INT5: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 8;
     case QUANT_INT6: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 4;
     case QUANT_INT8K: return 96 + BLOCK * GROUP;
+    case QUANT_INT8H: return 16 + BLOCK * GROUP;
     default: return 32 + BLOCK * GROUP;
     }
 }
@@ -92,7 +98,8 @@ static int64_t group_block_bytes(int format) {
 /* Where a group block's integers start, after its scales. */
 static int64_t quads_offset(int format) {
     switch (format) {
-    case QUANT_INT4K: return 16;
+    case QUANT_INT4K:
+    case QUANT_INT8H: return 16;
     case QUANT_INT4:
     case QUANT_INT5:
     case QUANT_INT6: return 64;
@@ -101,7 +108,8 @@ static int64_t quads_offset(int format) {
     }
 }
 
-/* fp32 scales (and offsets) per column and block: d; d, m; d_lo, d_hi, m. */
+/* fp32 scales (and offsets) per column and block: d; d, m; d_lo, d_hi, m (int4k's and int8h's
+ * are not fp32: block_scales). */
 static int scale_count(int format) {
     switch (format) {
     case QUANT_INT4:
@@ -121,6 +129,7 @@ static int64_t record_block_bytes(int format) {
     case QUANT_INT5: return 8 + BLOCK / 2 + 4;
     case QUANT_INT6: return 8 + BLOCK / 2 + 8;
     case QUANT_INT8K: return 12 + BLOCK;
+    case QUANT_INT8H: return 2 + BLOCK;
     default: return 4 + BLOCK;
     }
 }
@@ -153,6 +162,11 @@ int64_t quant_packed_bytes(int format, int64_t n, int64_t k) {
     return groups_of(n) * group_bytes(format, k / BLOCK);
 }
 
+/* Whether the format's integers are int8s (held as q + 128), not int4's nibbles and bits above. */
+static inline int int8_values(int format) {
+    return format == QUANT_INT8 || format == QUANT_INT8H || format == QUANT_INT8K;
+}
+
 /* Element i of a column record's block: int4 nibbles (low: elements 0-15, high: 16-31). */
 static inline int record_nibble(const uint8_t *nibbles, int i) {
     return i < 16 ? nibbles[i] & 0x0F : nibbles[i - 16] >> 4;
@@ -168,8 +182,8 @@ static int upper_width(int format) {
 static inline int upper_at(int width, int j) { return 192 + 32 * (j / (8 / width)); }
 static inline int upper_shift(int width, int j) { return width * (j % (8 / width)); }
 
-/* The int8 of column c's element 4 quad + lane in a packed int8 / int8k group block (held as
- * q + 128). */
+/* The int8 of column c's element 4 quad + lane in a packed int8 / int8h / int8k group block
+ * (held as q + 128). */
 static inline int packed_int8(int format, const uint8_t *blk, int c, int quad, int lane) {
     return (int8_t)(blk[quads_offset(format) + quad * 32 + c * 4 + lane] ^ 0x80);
 }
@@ -227,9 +241,17 @@ static void pack_quads(uint8_t *dst, int c, const int8_t *q) {
 
 /* Block b's scales of a packed group's 8 columns, as the kernel multiplies by them: d [8], then m
  * [8] (int4, int5), d_hi [8] (int6) or d_hi and m (int8k); int4k's products D * sc and M * mc
- * (exact: an fp16's value times an integer below 64). */
+ * (exact: an fp16's value times an integer below 64); int8h's fp16s widened (exact). */
 static void block_scales(int format, const uint8_t *group, int64_t b, float scales[3 * GROUP]) {
     const uint8_t *blk = block_at(format, group, b);
+    if (format == QUANT_INT8H) {
+        for (int c = 0; c < GROUP; c++) {
+            uint16_t half;
+            memcpy(&half, blk + 2 * c, 2);
+            scales[c] = f16_to_f32(half);
+        }
+        return;
+    }
     if (format == QUANT_INT4K) {
         const float *head = super_head(group, b);
         for (int c = 0; c < GROUP; c++) {
@@ -263,13 +285,16 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
                     dst[c] = rec[8 * ns + b];
                     dst[GROUP + c] = rec[8 * ns + nb + b];
                     ints = rec + 8 * ns + 2 * nb;
+                } else if (format == QUANT_INT8H) {
+                    memcpy(dst + 2 * c, rec + 2 * b, 2); /* the fp16 as it is */
+                    ints = rec + 2 * nb;
                 } else {
                     const int floats = scale_count(format);
                     for (int f = 0; f < floats; f++)
                         scales[f * GROUP + c] = ((const float *)rec)[f * nb + b];
                     ints = rec + nb * 4 * floats;
                 }
-                if (format != QUANT_INT8 && format != QUANT_INT8K) {
+                if (!int8_values(format)) {
                     const uint8_t *nibbles = ints + b * (BLOCK / 2);
                     for (int j = 0; j < QUADS / 2; j++)
                         for (int t = 0; t < 4; t++)
@@ -315,7 +340,7 @@ int64_t quant_unpack_rows(int format, const uint8_t *packed, int64_t n, int64_t 
             float *x = row + b * BLOCK;
             for (int i = 0; i < BLOCK; i++) {
                 const int quad = i / 4, lane = i % 4;
-                if (format != QUANT_INT8 && format != QUANT_INT8K) {
+                if (!int8_values(format)) {
                     const int q = packed_value(format, src, c, quad, lane);
                     if (format == QUANT_INT6)
                         x[i] = scales[(i < BLOCK / 2 ? 0 : GROUP) + c] * (float)(q - 32);
@@ -449,6 +474,9 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + GROUP))));
             wd = _mm256_mul_ps(_mm256_loadu_ps(head), sc);
             w2 = _mm256_mul_ps(_mm256_loadu_ps(head + GROUP), mc);
+        } else if (format == QUANT_INT8H) {
+            wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)); /* exact */
+            w2 = _mm256_setzero_ps();                                  /* unused */
         } else {
             wd = _mm256_loadu_ps((const float *)blk);
             w2 = _mm256_loadu_ps((const float *)(blk + 32));
@@ -456,7 +484,7 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
         __m256i dots[ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) dots[r] = _mm256_setzero_si256();
-        if (format != QUANT_INT8 && format != QUANT_INT8K) {
+        if (!int8_values(format)) {
             const __m256i low = _mm256_set1_epi8(0x0F);
             /* the bits above the nibbles, byte c * 4 + t for column c's element 4 j + t of quad
                j: int5's bit j; int6's bits 2 j, 2 j + 1 in the first vector for quads 0-3, in the
@@ -541,8 +569,8 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
             }
             continue;
         }
-        /* int8 and int8k: their int8 quads in one loop (with the format and j constants, the
-           half's choice folds away); int8k's halves apart (dots: d_lo's, high: d_hi's) */
+        /* int8, int8h and int8k: their int8 quads in one loop (with the format and j constants,
+           the half's choice folds away); int8k's halves apart (dots: d_lo's, high: d_hi's) */
         const uint8_t *quads = blk + quads_offset(format);
         __m256i high[ROWS];
 #pragma GCC unroll 4
@@ -689,6 +717,7 @@ static void group_out(const NarrowLinear *w, int64_t g, const QuantRow *x, int64
     case QUANT_INT6: format_rows(QUANT_INT6, group, nb, x + r0, rows, out); break;
     case QUANT_INT4K: format_rows(QUANT_INT4K, group, nb, x + r0, rows, out); break;
     case QUANT_INT8K: format_rows(QUANT_INT8K, group, nb, x + r0, rows, out); break;
+    case QUANT_INT8H: format_rows(QUANT_INT8H, group, nb, x + r0, rows, out); break;
     default: format_rows(QUANT_INT8, group, nb, x + r0, rows, out); break;
     }
 }
