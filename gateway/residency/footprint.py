@@ -1,8 +1,10 @@
 """What one engine replica takes: its memory awake and parked, on the host and on the GPU.
 
-Measured figures come from the engine's ``GET /status`` once it is ready and again once it is
-parked: its memory (PSS, where engines share pages with their template), and while awake what it
-may still grow by (see ``measured_bytes``).
+Measured figures come from the engine's ``GET /status`` once it is ready, again every
+``MEASURE_EVERY_S`` while it serves (gateway/residency/manager.py), and once it is parked: its
+memory (PSS, where engines share pages with their template) and activation peak, and apart from
+them what structured outputs may still add (``growth_bytes``), which plan.py reserves once for
+the fleet rather than once per model (see ``measured_bytes`` and ``measured_growth``).
 Before a model's first measurement, an estimate: ``memory_estimate`` from models.yaml, or the
 runtime, the weights as the engine will hold them, the KV budget and structured outputs' memory
 (the grammar cache budget, a compile worker). A GGUF's tensors in a block type the narrow
@@ -44,30 +46,34 @@ class Footprint:
     parked_bytes: int
     gpu_fraction: float = 0.0
     measured: bool = False
+    # awake, what structured outputs may still add: the grammar cache's room, compile workers not
+    # running, the grammar vocabulary until built
+    growth_bytes: int = 0
 
     def describe(self) -> dict[str, object]:
         return {
             "awake_bytes": self.awake_bytes,
             "parked_bytes": self.parked_bytes,
+            "growth_bytes": self.growth_bytes,
             "gpu_fraction": self.gpu_fraction,
             "source": "measured" if self.measured else "estimated",
         }
 
 
 def estimate(model: ModelConfig) -> Footprint:
-    """The footprint to plan with before the engine has reported one: ``memory_estimate``, or
-    the runtime + the weights as held + the host KV budget + the structured-output cache budget
-    and a compile worker (host memory on every device). Parked, the runtime alone."""
+    """The footprint to plan with before the engine has reported one: ``memory_estimate``
+    (growth included), or the runtime + the weights as held + the host KV budget (host memory on
+    every device), and the structured-output cache budget and a compile worker as its growth.
+    Parked, the runtime alone."""
     gpu = model.gpu_share
-    if model.memory_estimate is not None:
-        awake = model.memory_estimate
-    else:
-        weights = _weight_bytes(Path(model.source or ""))
-        kv = 0 if gpu else (model.kv_cache_memory or ENGINE_KV_DEFAULT)
-        held = weights if gpu else weights * _expansion(model)
-        structured = structured_cache_budget(model) + COMPILE_WORKER_ESTIMATE
-        awake = RUNTIME_BYTES + held + kv + structured
-    return Footprint(awake, min(awake, RUNTIME_BYTES), gpu)
+    if model.memory_estimate is not None:  # the operator's figure, everything in it
+        return Footprint(model.memory_estimate, min(model.memory_estimate, RUNTIME_BYTES), gpu)
+    weights = _weight_bytes(Path(model.source or ""))
+    kv = 0 if gpu else (model.kv_cache_memory or ENGINE_KV_DEFAULT)
+    held = weights if gpu else weights * _expansion(model)
+    awake = RUNTIME_BYTES + held + kv
+    growth = structured_cache_budget(model) + COMPILE_WORKER_ESTIMATE
+    return Footprint(awake, min(awake, RUNTIME_BYTES), gpu, growth_bytes=growth)
 
 
 def structured_cache_budget(model: ModelConfig) -> int:
@@ -116,26 +122,37 @@ def machine_ram_bytes() -> int:
 def measured_bytes(status: dict[str, object] | None, awake: bool) -> int | None:
     """What an engine's /status answer says it takes; None when it reports no memory. Its
     memory now: its proportional set size (``memory.pss_bytes``) where it reports one, else its
-    resident set (``rss_bytes``); and awake also what it can grow by: the activation peak its
-    steps add (``activation_bytes``) and what structured outputs may still add
-    (``structured_headroom_bytes``: the room left in its grammar cache, and its grammar-compile
-    workers, child processes outside its own memory, at their most). Parked, the engine drops
-    that cache and stops the workers. A field an engine does not report (an older one, an
-    external server) counts 0.
+    resident set (``rss_bytes``); and awake also the activation peak its steps add
+    (``activation_bytes``) and its grammar-compile workers running now (child processes outside
+    its own memory: ``compile_workers_rss_bytes``). A field an engine does not report (an older
+    one, an external server) counts 0.
 
     PSS rather than RSS because engines forked from a template (gateway/engines/template.py)
     share the interpreter's and torch's pages with it: in RSS each of them would count those
     whole, in PSS each counts its share, and the template counts the rest once. An exec'd
     engine's PSS is its RSS less its shares of the libraries other processes map too."""
-    memory = status.get("memory") if isinstance(status, dict) else None
-    if not isinstance(memory, dict):
-        return None
+    memory = _memory(status)
     held = _bytes(memory, "pss_bytes") or _bytes(memory, "rss_bytes")
     if not held:
         return None
     if not awake:
         return held
-    return held + _bytes(memory, "activation_bytes") + _bytes(memory, "structured_headroom_bytes")
+    return held + _bytes(memory, "activation_bytes") + _bytes(memory, "compile_workers_rss_bytes")
+
+
+def measured_growth(status: dict[str, object] | None) -> int:
+    """What an awake engine's structured outputs may still add (``structured_headroom_bytes``:
+    the room left in its grammar cache, its compile workers at their most and the grammar
+    vocabulary until built) beyond what its workers hold now. Parked, the engine drops that
+    cache and stops the workers."""
+    memory = _memory(status)
+    headroom = _bytes(memory, "structured_headroom_bytes")
+    return max(0, headroom - _bytes(memory, "compile_workers_rss_bytes"))
+
+
+def _memory(status: dict[str, object] | None) -> dict[str, object]:
+    memory = status.get("memory") if isinstance(status, dict) else None
+    return memory if isinstance(memory, dict) else {}
 
 
 def _bytes(memory: dict[str, object], key: str) -> int:

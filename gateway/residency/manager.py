@@ -35,7 +35,13 @@ from gateway.engines.pool import EnginePool
 from gateway.engines.process import CRASH_NOTICE_S, exits_soon, has_exited
 from gateway.engines.replica import Replica, ReplicaState
 from gateway.metrics import GatewayMetrics
-from gateway.residency.footprint import Footprint, estimate, machine_ram_bytes, measured_bytes
+from gateway.residency.footprint import (
+    Footprint,
+    estimate,
+    machine_ram_bytes,
+    measured_bytes,
+    measured_growth,
+)
 from gateway.residency.plan import Eviction, Need, Resident, plan_room
 from gateway.router import ModelRoute, Router
 
@@ -51,6 +57,9 @@ _MODEL_STATE_ORDER = (
     S.READY, S.WAKING, S.STARTING, S.BACKOFF, S.PARKING, S.PARKED, S.DRAINING, S.STOPPING, S.FAILED,
 )  # fmt: skip
 PLAN_RETRY_S = 0.25  # a load waiting for room looks again this often
+# Ready replicas are measured again this often: an engine grows as it compiles grammars, which
+# the plan reserves room for once, not per model (rule 6 of plan.py)
+MEASURE_EVERY_S = 5.0
 TEMPLATES = "(engine templates)"  # what the engine templates hold, as a resident of the budget
 
 
@@ -85,6 +94,7 @@ class ResidencyManager:
         self.park_evicted = True
         self._sweeper: asyncio.Task[None] | None = None
         self._placement = asyncio.Lock()  # one plan (and its evictions) at a time
+        self._outgrown = False  # the last measurement found more resident than the budget
         self._tasks: set[asyncio.Task[object]] = set()
         self.configure(config)
 
@@ -277,9 +287,8 @@ class ResidencyManager:
         is not counted: it is left out of the residents)."""
         target = self.models[name]
         replicas = target.config.replicas
-        need = Need(
-            replicas * target.footprint.awake_bytes, replicas * target.footprint.gpu_fraction
-        )
+        fp = target.footprint
+        need = Need(replicas * fp.awake_bytes, replicas * fp.gpu_fraction, fp.growth_bytes)
         residents = self._residents(but=name)
         evictions = plan_room(
             need, self.budget_bytes, self.budget_gpu, residents, self.park_evicted
@@ -318,6 +327,7 @@ class ResidencyManager:
             evictable=self._evictable(name, states),
             priority=res.config.priority,
             last_used=res.last_used,
+            growth_bytes=fp.growth_bytes if awake else 0,
         )
 
     def _evictable(self, name: str, states: list[ReplicaState]) -> bool:
@@ -354,10 +364,14 @@ class ResidencyManager:
     # ---- idle TTL ----
 
     async def _sweep(self) -> None:
+        measured_at = time.monotonic()
         while True:
             ttls = [r.config.idle_ttl_s for r in self.models.values() if r.config.on_demand]
             await asyncio.sleep(min([1.0, *(t / 4 for t in ttls)]))
             now = time.monotonic()
+            if now - measured_at >= MEASURE_EVERY_S:
+                measured_at = now
+                await self._measure_again()
             for name, res in list(self.models.items()):
                 if not res.config.on_demand or now - res.last_used < res.config.idle_ttl_s:
                     continue
@@ -372,7 +386,27 @@ class ResidencyManager:
         resident = self._resident(name)
         others = self._residents(but=name)
         held = sum(r.held_bytes for r in others) + (resident.parked_bytes if resident else 0)
-        return "park" if held <= self.budget_bytes else "stop"
+        growth = max([r.growth_bytes for r in others if r.awake], default=0)
+        return "park" if held + growth <= self.budget_bytes else "stop"
+
+    async def _measure_again(self) -> None:
+        """Every ready replica measured again, then room made (idle models parked or stopped, as
+        for a load) where what is resident, and the growth reserved once, no longer fit."""
+        for name in list(self.models):
+            for replica in list(self.pool.replicas.get(name, ())):
+                if replica.state is S.READY:
+                    await self._measure(replica, awake=True)
+        async with self._placement:
+            residents = self._residents()
+            evictions = plan_room(
+                Need(0), self.budget_bytes, self.budget_gpu, residents, self.park_evicted
+            )
+            outgrown = evictions is None
+            if outgrown and not self._outgrown:
+                log.warning("what is resident has outgrown the memory budget; nothing can go")
+            self._outgrown = outgrown
+            for eviction in evictions or ():
+                await self.evict(eviction, "memory")
 
     # ---- what the pool tells us ----
 
@@ -407,6 +441,7 @@ class ResidencyManager:
             fp.gpu_fraction = 0.0  # device "auto" on a machine without a GPU
         if awake:
             fp.awake_bytes, fp.measured = taken, True
+            fp.growth_bytes = measured_growth(status)
         else:
             fp.parked_bytes = taken
         self._report_memory()

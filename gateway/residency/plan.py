@@ -10,6 +10,11 @@ Rules, in order:
    parked and then stopped is just stopped.
 4. If evicting every evictable model would not make room, nothing is evicted: the plan is None.
 5. With parking off (``gateway.memory.park: false``), every eviction is a stop.
+6. What structured outputs may still add to an awake model (``growth_bytes``: grammar cache room,
+   compile workers, the grammar vocabulary) is reserved once, the largest among the models awake
+   after the plan and the newcomer, not once each: most models never compile a grammar, and
+   what one does compile is in its measured memory at the manager's next measurement, which
+   makes room again (gateway/residency/manager.py) before another's growth can be counted on.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Resident:
     evictable: bool
     priority: int = 0
     last_used: float = 0.0
+    growth_bytes: int = 0  # while awake: what structured outputs may still add (rule 6)
 
     @property
     def held_bytes(self) -> int:
@@ -52,6 +58,7 @@ class Need:
 
     cpu_bytes: int
     gpu_fraction: float = 0.0
+    growth_bytes: int = 0  # rule 6
 
 
 def plan_room(
@@ -64,12 +71,14 @@ def plan_room(
     """The evictions that make ``need`` fit beside ``residents`` (empty: it fits already)."""
     cpu = sum(r.held_bytes for r in residents) + need.cpu_bytes
     gpu = sum(r.held_gpu for r in residents) + need.gpu_fraction
+    actions: dict[str, Literal["park", "stop"]] = {}
 
     def fits() -> bool:
-        return cpu <= budget_bytes and gpu <= budget_gpu + 1e-9
+        awake = (r.growth_bytes for r in residents if r.awake and r.name not in actions)
+        growth = max(need.growth_bytes, *awake, 0)
+        return cpu + growth <= budget_bytes and gpu <= budget_gpu + 1e-9
 
     order = sorted((r for r in residents if r.evictable), key=lambda r: (r.priority, r.last_used))
-    actions: dict[str, Literal["park", "stop"]] = {}
     for r in order if park else ():
         if fits():
             break

@@ -8,7 +8,10 @@ last ``--between-phases-s``, ``loading``: no phase running), then ``ready``.
 Test-only flags (passed through ``engine_args`` in models.yaml): ``--ready-delay-s S``,
 ``--fail-start`` (exit 3 at once, as an engine with a bad model would), ``--first-start-only PATH``
 (the first start creates PATH; a start that finds it fails like ``--fail-start``), ``--rss-bytes
-N`` and ``--parked-rss-bytes N`` (what /status reports awake and asleep), ``--wake-delay-s S``,
+N`` and ``--parked-rss-bytes N`` (what /status reports awake and asleep),
+``--structured-headroom-bytes N`` (what structured outputs may still add, awake),
+``--compiled-rss-bytes N`` (awake after a request with the mock key ``compile``, until it parks:
+its headroom then spent), ``--wake-delay-s S``,
 ``--crash-after-ready-s S`` (exit 1 that long after its first /ready 200: a crash while serving).
 
 Per request, besides the mock upstream's ``mock`` keys: ``arrive_delay_ms`` waits before looking
@@ -44,6 +47,8 @@ def main() -> None:
     parser.add_argument("--first-start-only", type=Path, default=None)
     parser.add_argument("--rss-bytes", type=int, default=0)
     parser.add_argument("--parked-rss-bytes", type=int, default=0)
+    parser.add_argument("--structured-headroom-bytes", type=int, default=0)
+    parser.add_argument("--compiled-rss-bytes", type=int, default=0)
     parser.add_argument("--crash-after-ready-s", type=float, default=None)
     parser.add_argument("--between-phases-s", type=float, default=0.0)
     args, _engine_flags = parser.parse_known_args()
@@ -58,6 +63,7 @@ def main() -> None:
     started = time.monotonic()
     ready_at = started + args.ready_delay_s
     sleeping = {"now": False, "parks": 0, "wakes": 0}
+    compiled = {"now": False}  # a request asked for a grammar: the headroom is spent
     base_ready = mock.ready
     base_completions = mock.completions
 
@@ -83,7 +89,9 @@ def main() -> None:
         return await base_ready(request)
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        arrive_delay_ms = ((await request.json()).get("mock") or {}).get("arrive_delay_ms")
+        keys = (await request.json()).get("mock") or {}
+        arrive_delay_ms = keys.get("arrive_delay_ms")
+        compiled["now"] = compiled["now"] or bool(keys.get("compile"))
         if arrive_delay_ms:
             await asyncio.sleep(arrive_delay_ms / 1000)
         if sleeping["now"]:
@@ -93,6 +101,7 @@ def main() -> None:
     async def sleep(request: web.Request) -> web.Response:
         sleeping["now"] = True
         sleeping["parks"] += 1
+        compiled["now"] = False
         return web.json_response({"is_sleeping": True})
 
     async def wake_up(request: web.Request) -> web.Response:
@@ -112,7 +121,12 @@ def main() -> None:
 
     async def status(request: web.Request) -> web.Response:
         rss = args.parked_rss_bytes if sleeping["now"] else args.rss_bytes
+        headroom = 0 if sleeping["now"] else args.structured_headroom_bytes
+        if compiled["now"] and args.compiled_rss_bytes:
+            rss, headroom = args.compiled_rss_bytes, 0
         memory = {"rss_bytes": rss} if rss else {}
+        if headroom:
+            memory["structured_headroom_bytes"] = headroom
         park = {"parks": sleeping["parks"], "wakes": sleeping["wakes"]}
         body = {"sleeping": sleeping["now"], "device": "cpu", "memory": memory, "park": park,
                 "startup": startup()}  # fmt: skip

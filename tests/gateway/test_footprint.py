@@ -1,8 +1,8 @@
 """One replica's footprint (gateway/residency/footprint.py): what an engine's /status says it takes
-awake (its RSS, plus what it can grow by: activations, and the structured-output headroom the
-engine reckons, grammar cache room and compile workers) and parked (its RSS), with the fields
-older engines lack counted 0; and the estimate before the first measurement, structured outputs'
-memory included."""
+awake (its RSS, its activation peak and its compile workers running now) and parked (its RSS),
+and apart from those what structured outputs may still add (the headroom the engine reckons, less
+the workers it already counts), with the fields older engines lack counted 0; and the estimate
+before the first measurement, structured outputs' memory as its growth."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from gateway.residency.footprint import (
     RUNTIME_BYTES,
     estimate,
     measured_bytes,
+    measured_growth,
 )
 
 MiB = 2**20
@@ -30,8 +31,13 @@ AWAKE = {
 }
 
 
-def test_awake_counts_rss_activations_and_the_structured_headroom():
-    assert measured_bytes({"memory": AWAKE}, awake=True) == (1000 + 50 + 284) * MiB
+def test_awake_counts_rss_activations_and_the_running_workers():
+    assert measured_bytes({"memory": AWAKE}, awake=True) == (1000 + 50 + 80) * MiB
+
+
+def test_the_growth_is_the_headroom_less_the_running_workers():
+    assert measured_growth({"memory": AWAKE}) == (284 - 80) * MiB
+    assert measured_growth({"memory": {**AWAKE, "compile_workers_rss_bytes": 300 * MiB}}) == 0
 
 
 def test_parked_counts_the_rss_alone():
@@ -40,17 +46,19 @@ def test_parked_counts_the_rss_alone():
 
 @pytest.mark.parametrize(
     ("missing", "expected_mib"),
-    [("structured_headroom_bytes", 1000 + 50), ("activation_bytes", 1000 + 284)],
+    [("compile_workers_rss_bytes", 1000 + 50), ("activation_bytes", 1000 + 80)],
 )
 def test_a_field_an_older_engine_lacks_counts_zero(missing, expected_mib):
     memory = {k: v for k, v in AWAKE.items() if k != missing}
     assert measured_bytes({"memory": memory}, awake=True) == expected_mib * MiB
+    assert measured_growth({"memory": {}}) == 0
 
 
 @pytest.mark.parametrize("bad", [None, "1", True, -5, 1.5])
 def test_a_field_that_is_no_byte_count_counts_zero(bad):
-    memory = {**AWAKE, "structured_headroom_bytes": bad}
-    assert measured_bytes({"memory": memory}, awake=True) == (1000 + 50) * MiB
+    memory = {**AWAKE, "activation_bytes": bad, "structured_headroom_bytes": bad}
+    assert measured_bytes({"memory": memory}, awake=True) == (1000 + 80) * MiB
+    assert measured_growth({"memory": memory}) == 0
 
 
 @pytest.mark.parametrize("status", [None, {}, {"memory": {}}, {"memory": {"rss_bytes": 0}}])
@@ -77,11 +85,8 @@ def local_model(tmp_path, **keys):
 def test_the_estimate_counts_the_structured_cache_budget(tmp_path, engine_args, cache):
     model = local_model(tmp_path, device="cpu", engine_args=engine_args)
     footprint = estimate(model)
-    structured = cache + COMPILE_WORKER_ESTIMATE
-    assert (
-        footprint.awake_bytes
-        == RUNTIME_BYTES + GGUF_EXPANSION * 1000 + ENGINE_KV_DEFAULT + structured
-    )
+    assert footprint.awake_bytes == RUNTIME_BYTES + GGUF_EXPANSION * 1000 + ENGINE_KV_DEFAULT
+    assert footprint.growth_bytes == cache + COMPILE_WORKER_ESTIMATE
     assert footprint.parked_bytes == RUNTIME_BYTES and not footprint.measured
 
 

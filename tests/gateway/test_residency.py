@@ -101,7 +101,8 @@ async def test_on_demand_starts_at_first_request_parks_after_ttl_and_wakes(poole
         # the footprint the fake engine reported replaced the estimate
         footprint = gateway.residency.describe("od")["footprint"]
         assert footprint == {"awake_bytes": 1024 * MiB, "parked_bytes": 256 * MiB,
-                             "gpu_fraction": 0.0, "source": "measured"}  # fmt: skip
+                             "growth_bytes": 0, "gpu_fraction": 0.0,
+                             "source": "measured"}  # fmt: skip
 
 
 async def test_budget_for_two_evicts_the_least_recent_idle_model_never_a_busy_one(pooled, tmp_path):
@@ -410,3 +411,31 @@ async def test_an_unload_that_interrupts_a_load_is_no_failure(pooled, tmp_path, 
         for reason in ("model_unloaded", "model_failed")
     }
     assert refused == {"model_unloaded": 1, "model_failed": 0}
+
+
+async def test_structured_growth_is_reserved_once_and_what_grew_makes_room(
+    pooled, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(manager_module, "MEASURE_EVERY_S", 0.2)
+    # 1 GiB awake, 512 MiB more if it compiles grammars, 256 MiB parked: two awake fit in
+    # 2.5 GiB with the growth reserved once (with it reserved for each, 3 GiB, they would not)
+    grows = ("--structured-headroom-bytes", str(512 * MiB), "--compiled-rss-bytes", str(1536 * MiB))
+    models = [on_demand(name, *grows, idle_ttl_s=600) for name in ("a", "b")]
+    gateway, url, _ = await pooled(fleet(tmp_path, models, {"cpu_bytes": "2560MiB"}))
+    async with aiohttp.ClientSession() as session:
+        assert (await request(session, url, "a"))[0] == 200
+        await wait_for(lambda: gateway.residency.models["a"].footprint.measured, timeout=5)
+        assert gateway.residency.models["a"].footprint.growth_bytes == 512 * MiB
+        assert (await request(session, url, "b"))[0] == 200
+        assert states(gateway, "a") == [S.READY] and states(gateway, "b") == [S.READY]
+        # "a" compiles: 1.5 GiB now, its growth spent; with "b"'s growth still reserved that is
+        # 1.5 + 1 + 0.5 > 2.5: the next measurement parks idle "b" (the least recently used)
+        assert (await request(session, url, "a", compile=True))[0] == 200
+        await wait_for(lambda: states(gateway, "b") == [S.PARKED], timeout=5)
+        assert states(gateway, "a") == [S.READY]
+        assert sample(gateway, "modelyard_model_evictions_total", model="b", action="park",
+                      reason="memory") == 1  # fmt: skip
+        resident = 1536 * MiB + 256 * MiB  # once "b"'s parked floor is measured
+        await wait_for(
+            lambda: gateway.residency.budget()["cpu_resident_bytes"] == resident, timeout=5
+        )

@@ -65,3 +65,33 @@ def test_without_parking_every_eviction_is_a_stop():
     ]
     gpu = [resident("gpu", gpu_fraction=0.6, awake_bytes=GiB)]
     assert plan_room(Need(GiB, 0.5), 64 * GiB, 0.95, gpu, park=False) == [Eviction("gpu", "stop")]
+
+
+def test_structured_growth_is_reserved_once_not_per_model():
+    # 2 + 2 held, 1 GiB of growth each; the newcomer 2 GiB, 1 of growth: 6 + the largest 1 = 7
+    residents = [resident(n, awake_bytes=2 * GiB, growth_bytes=GiB) for n in ("a", "b")]
+    assert plan_room(Need(2 * GiB, growth_bytes=GiB), 7 * GiB, 0.95, residents) == []
+    # the largest growth counts, whoever's it is
+    assert plan_room(Need(2 * GiB, growth_bytes=2 * GiB), 7 * GiB, 0.95, residents) == [
+        Eviction("a", "park")
+    ]
+
+
+def test_a_parked_models_growth_is_not_reserved():
+    # "big" may grow by 3 GiB while awake: parking it (3 held) leaves 1 + 2 + 1 + growth 1 = 5
+    residents = [
+        resident("big", awake_bytes=2 * GiB, growth_bytes=3 * GiB, last_used=1),
+        resident("small", awake_bytes=2 * GiB, growth_bytes=GiB, last_used=2),
+    ]
+    assert plan_room(Need(GiB, growth_bytes=GiB), 5 * GiB, 0.95, residents) == [
+        Eviction("big", "park")
+    ]
+
+
+def test_what_has_grown_past_the_budget_makes_room_like_a_load():
+    # measured again, "a" holds 5 of 5.5 after compiling grammars: idle "b" (1) is parked
+    residents = [
+        resident("a", awake_bytes=5 * GiB, last_used=5),
+        resident("b", awake_bytes=GiB, parked_bytes=GiB // 4),
+    ]
+    assert plan_room(Need(0), GiB * 11 // 2, 0.95, residents) == [Eviction("b", "park")]
