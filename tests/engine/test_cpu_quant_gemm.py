@@ -86,9 +86,10 @@ def test_extreme_blocks(isa):
     """int8, int8h and int8k weights of -128 (GGUF's Q8_0 allows it; the AVX2 dot reads |w| as
     unsigned), of 127, and of each in one half only (int8k's halves' sums and corrections apart),
     int8h's largest and subnormal fp16 scales, int4 nibbles of 0 and 15 (int4k's too, with its 6-bit
-    scales at 63), int5 integers of 0 and 31 and int6's of 0 and 63 (the AVX2 dot's 16-bit pair sums
-    at their largest), each in one half only, the bits above the nibbles alone, all-zero activation
-    blocks (scale 0) and all-zero weight blocks."""
+    scales at 63), int5 integers of 0 and 31 (int5k's too, with its sc and mc at 0 and 63) and
+    int6's of 0 and 63 (the AVX2 dot's 16-bit pair sums at their largest), each in one half only,
+    the bits above the nibbles alone, all-zero activation blocks (scale 0) and all-zero weight
+    blocks."""
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 50
     x[1, :32] = 0.0
     int8 = quantize(torch.randn(5, 64), "int8")
@@ -109,6 +110,12 @@ def test_extreme_blocks(isa):
     int5 = quantize(torch.randn(5, 64), "int5")  # d, m [2] f32, nibbles [2][16], fifth bits [2][4]
     int5.records[0, 16:], int5.records[1, 16:] = 0x00, 0xFF
     int5.records[2, 16:48], int5.records[2, 48:] = 0x00, 0xFF
+    # int5k: D, M f32, sc [2], mc [2], nibbles [2][16], fifth bits [2][4]
+    int5k = quantize(torch.randn(5, 64), "int5k")
+    int5k.records[0, 12:], int5k.records[1, 8:12], int5k.records[1, 12:] = 0x00, 63, 0xFF
+    int5k.records[2, 8:12], int5k.records[2, 12:44], int5k.records[2, 44:] = 0, 0x00, 0xFF
+    int5k.records[3, 8:10], int5k.records[3, 10:12] = 63, 0  # sc 63, mc 0
+    int5k.records[4, 8:10], int5k.records[4, 10:12] = 0, 63  # sc 0, mc 63
     int6 = quantize(torch.randn(5, 64), "int6")  # d_lo, d_hi [2] f32, nibbles [2][16], pairs [2][8]
     int6.records[0, 16:], int6.records[1, 16:] = 0x00, 0xFF
     int6.records[2, 16:48], int6.records[2, 48:] = 0x00, 0xFF
@@ -119,9 +126,46 @@ def test_extreme_blocks(isa):
     q[2, :, 0], q[2, :, 1] = -128, 127
     q[3, :, 0], q[3, :, 1] = 127, -128
     int8k.records[4] = 0  # scales and offset 0, q 0
-    for weight in (int8, int8h, int4, int4k, int5, int6, int8k):
+    for weight in (int8, int8h, int4, int4k, int5, int5k, int6, int8k):
         out = run(isa, weight, x, None, threads=1)
         torch.testing.assert_close(out, reference(x, weight, None), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("fmt", ["int4k", "int5k"])
+def test_super_scaled_formats_across_super_blocks(isa, fmt):
+    """int4k and int5k over 19 blocks: super-blocks of 8, 8 and a last one of 3, each its own D
+    and M (signs and sizes apart), their extremes in the last one (q at its largest and 0, sc and
+    mc 63 and 0), 11 columns (a group cut short): the GEMM against the float64 reference, the
+    rows read back bit for bit as the records dequantise."""
+    blocks, supers, n = 19, 3, 11
+    generator = torch.Generator().manual_seed(19)
+    weight = quantize(torch.randn(n, blocks * BLOCK, generator=generator), fmt)
+    records = weight.records
+    heads = records[:, : 8 * supers].clone().view(torch.float32)  # D [3], M [3] per column
+    records[:, : 8 * supers] = (heads * torch.tensor([1.0, 40.0, 0.25, 0.5, 30.0, 3.0])).view(
+        torch.uint8
+    )
+    sc, mc = (slice(8 * supers + i * blocks + 16, 8 * supers + (i + 1) * blocks) for i in (0, 1))
+    values = slice(8 * supers + 2 * blocks + 16 * 16, 8 * supers + 2 * blocks + 16 * blocks)
+    records[0, sc], records[0, mc], records[0, values] = 63, 63, 0xFF  # q 15: int4's largest
+    records[1, sc], records[1, mc], records[1, values] = 0, 0, 0x00
+    records[2, sc], records[2, mc] = 63, 0
+    records[3, sc], records[3, mc] = 0, 63
+    if fmt == "int5k":  # the fifth bits: q 31 in column 0, 0 in 1, only the fifth bit in 4
+        upper = slice(8 * supers + 18 * blocks + 4 * 16, 8 * supers + 18 * blocks + 4 * blocks)
+        records[0, upper], records[1, upper] = 0xFF, 0x00
+        records[4, values], records[4, upper] = 0x00, 0xFF
+    big_d, big_m = records[0, : 8 * supers].clone().view(torch.float32).view(2, supers)[:, -1]
+    top = (big_d * 63) * (31 if fmt == "int5k" else 15) + big_m * 63
+    assert torch.equal(weight.dequantize()[0, 16 * BLOCK :], top.expand(3 * BLOCK))
+    x = torch.randn(5, blocks * BLOCK, generator=generator) * 10
+    out = run(isa, weight, x, None)
+    torch.testing.assert_close(out, reference(x, weight, None), rtol=1e-5, atol=1e-3)
+    lib = quant_gemm.library(isa)
+    ids = torch.arange(n).flip(0)
+    rows = quant_gemm.unpack_rows(lib, fmt, quant_gemm.pack(lib, weight), n, blocks * BLOCK, ids)
+    assert torch.equal(rows, weight.dequantize(ids))
 
 
 @pytest.mark.parametrize("isa", BUILDS)

@@ -1,6 +1,6 @@
 """A GGUF's weights come from the file as it holds them: each block type a narrow format holds
-(Q8_0, IQ4_NL -> int8h; IQ4_XS -> int8; Q4_0, Q4_1 -> int4; Q4_K -> int4k; Q5_0, Q5_1, Q5_K ->
-int5; Q6_K -> int6; Q3_K -> int8k) reproduces gguf's own dequantisation bit for bit,
+(Q8_0, IQ4_NL -> int8h; IQ4_XS -> int8; Q4_0, Q4_1 -> int4; Q4_K -> int4k; Q5_0, Q5_1 -> int5;
+Q5_K -> int5k; Q6_K -> int6; Q3_K -> int8k) reproduces gguf's own dequantisation bit for bit,
 and a whole model loaded from the file equals the one transformers builds by dequantising every
 tensor (its weights on narrow records where the file's blocks allow, in the same row order)."""
 
@@ -76,6 +76,23 @@ def test_fp16_scales_load_as_the_file_holds_them(block_type):
     reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[block_type]).copy())
     weight = from_gguf_blocks(block_type, raw, 16 * elements)
     assert weight.fmt == "int8h" and weight.nbytes == rows * 16 * 34
+    assert torch.equal(weight.dequantize(), reference)
+
+
+@pytest.mark.parametrize(("block_type", "block_bytes"), [("Q4_K", 19), ("Q5_K", 23)])
+def test_k_quants_keep_their_6_bit_scales(block_type, block_bytes):
+    """Q4_K and Q5_K hold their sub-blocks' 6-bit scales and mins a byte each under the
+    super-block's d and -dmin in fp32: 19 and 23 bytes a block of 32 (the file's 18 and 22),
+    where fp32 scales and offsets per block took 24 and 28; the largest fp16 d and dmin times
+    sc and m of 63 (and 0) load bit for bit too."""
+    raw = _random_blocks(block_type, np.random.default_rng(11))
+    blocks = raw.reshape(ROWS, K // 256, -1)
+    blocks[0, :, 0:4] = np.array([65504.0, 65504.0], dtype=np.float16).view(np.uint8)
+    blocks[0, :, 4:16] = 0xFF  # every 6-bit scale and min 63
+    blocks[1, :, 4:16] = 0x00
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[block_type]).copy())
+    weight = from_gguf_blocks(block_type, raw, K)
+    assert weight.nbytes == ROWS * K // 32 * block_bytes
     assert torch.equal(weight.dequantize(), reference)
 
 

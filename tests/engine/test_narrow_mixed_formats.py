@@ -1,7 +1,7 @@
 """Projections of mixed narrow formats fuse: every format converts into int8k exactly, so a
 Q4_K_M file's Q4_K q/k beside its Q6_K v still make one q/k/v GEMM (the one-call decode step runs
-fused projections only), with the outputs of the separate linears; int8h and int4k, which spell
-int8's and int4's values with narrower scales, fuse with those in them."""
+fused projections only), with the outputs of the separate linears; int8h, int4k and int5k, which
+spell int8's, int4's and int5's values with narrower scales, fuse with those in them."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_every_format_converts_into_int8k_exactly(fmt):
     assert torch.equal(promoted.dequantize(), weight.dequantize())
 
 
-@pytest.mark.parametrize("block_type", ["Q8_0", "IQ4_NL", "Q5_0", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("block_type", ["Q8_0", "IQ4_NL", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K"])
 def test_gguf_blocks_convert_into_int8k_exactly(block_type):
     """Every stored scale, offset and integer as the file gives it (Q4_0: m = -8 d)."""
     weight = from_gguf_blocks(block_type, _random_blocks(block_type, np.random.default_rng(5)), K)
@@ -47,13 +47,16 @@ def test_int8k_converts_into_nothing_else():
         as_format(quantize(torch.randn(2, 32), "int8k"), "int8")
 
 
-@pytest.mark.parametrize(("narrow", "wide"), [("int8h", "int8"), ("int4k", "int4")])
+@pytest.mark.parametrize(
+    ("narrow", "wide"), [("int8h", "int8"), ("int4k", "int4"), ("int5k", "int5")]
+)
 def test_narrower_scales_widen_into_their_format_only(narrow, wide):
-    """int8h into int8, int4k into int4, exactly; nothing narrows, nor widens elsewhere."""
-    weight = quantize(torch.randn(9, 512, generator=torch.Generator().manual_seed(4)), narrow)
+    """int8h into int8, int4k into int4, int5k into int5, exactly (19 blocks: the last
+    super-block of int4k and int5k 3 blocks); nothing narrows, nor widens elsewhere."""
+    weight = quantize(torch.randn(9, 608, generator=torch.Generator().manual_seed(4)), narrow)
     widened = as_format(weight, wide)
     assert widened.fmt == wide and torch.equal(widened.dequantize(), weight.dequantize())
-    for fmt, source in ((narrow, quantize(torch.randn(2, 32), wide)), ("int5", weight)):
+    for fmt, source in ((narrow, quantize(torch.randn(2, 32), wide)), ("int6", weight)):
         with pytest.raises(ValueError, match="do not convert"):
             as_format(source, fmt)
 
@@ -69,6 +72,12 @@ def test_concatenate_promotes_only_mixed_formats():
     widened = concatenate(int8s)
     assert widened.fmt == "int8"
     assert torch.equal(widened.dequantize(), torch.cat([w.dequantize() for w in int8s]))
+    # int5k beside int5 (a Q5_K_M file's Q5_K q/k beside a Q5_0 v) in int5; beside int4k in int8k
+    int5s = [quantize(torch.randn(4, 64), fmt) for fmt in ("int5k", "int5", "int5k")]
+    widened = concatenate(int5s)
+    assert widened.fmt == "int5"
+    assert torch.equal(widened.dequantize(), torch.cat([w.dequantize() for w in int5s]))
+    assert concatenate([int5s[0], quantize(torch.randn(4, 64), "int4k")]).fmt == "int8k"
     with pytest.raises(ValueError, match="input width"):
         concatenate([parts[0], quantize(torch.randn(2, 32), "int4")])
 
@@ -94,6 +103,10 @@ def _tiny_llama() -> LlamaForCausalLM:
         ({"q_proj": "int4", "k_proj": "int8", "v_proj": "int8k"}, ("int8k", "int4")),
         ({"q_proj": "int4", "k_proj": "int4", "v_proj": "int8", "up_proj": "int8"}, ("int8k",) * 2),
         ({"q_proj": "int8", "k_proj": "int8", "v_proj": "int8h"}, ("int8", "int4")),
+        (
+            {"q_proj": "int5k", "k_proj": "int5k", "v_proj": "int5", "gate_proj": "int5k"},
+            ("int5", "int8k"),
+        ),
         ({}, ("int4", "int4")),  # one format: fused as it is
     ],
 )

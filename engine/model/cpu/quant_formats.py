@@ -12,15 +12,19 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
 - ``int4k``: int4 whose d and m are products: ``d = D * sc``, ``m = M * mc`` with sc, mc in
   [0, 63] per block and D, M fp32 per super-block of 8 blocks (the last may be shorter): GGUF's
   Q4_K (M = -dmin), 19 bytes a block of 32 where int4 takes 24.
-- ``int5``: ``w = d * q + m``, q in [0, 31], as int4 with a fifth bit: GGUF's Q5_0 (m = -16 d),
-  Q5_1 and Q5_K (a scale and an offset per 32), 28 bytes a block where int8 took 36.
+- ``int5``: ``w = d * q + m``, q in [0, 31], as int4 with a fifth bit: GGUF's Q5_0 (m = -16 d)
+  and Q5_1, 28 bytes a block where int8 took 36.
+- ``int5k``: int5 as int4k is to int4 (``d = D * sc``, ``m = M * mc``, 6-bit sc and mc per block
+  under fp32 D and M per 8 blocks): GGUF's Q5_K (M = -dmin), 23 bytes a block of 32 where int5
+  takes 28 (the file 22).
 - ``int6``: ``w = d_half * (q - 32)``, q in [0, 63], two fp32 scales per block (d_lo for elements
   0-15, d_hi for 16-31): GGUF's Q6_K, 32 bytes a block where int8k took 44.
 - ``int8k``: ``w = d_half * q + m``, q in [-128, 127], two fp32 scales per block (d_lo for elements
   0-15, d_hi for 16-31) and one fp32 offset: Q3_K's scale per 16. Quantising
   into it centres each block (m = (max + min) / 2) and scales each half symmetrically; every other
-  format converts into it exactly (`as_format`: int4k by way of int4, int8h of int8, their
-  scales spelled out in fp32), so projections of mixed formats still fuse (`concatenate`).
+  format converts into it exactly (`as_format`: int4k by way of int4, int5k of int5, int8h of
+  int8, their scales spelled out in fp32), so projections of mixed formats still fuse
+  (`concatenate`).
 
 A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8): per
 block of the column, int8: the scales, then the int8s; int8h: the same with 2-byte scales (the
@@ -28,23 +32,24 @@ file's fp16s, copied as they are); int4: the scales, the offsets, then the nibbl
 block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's order);
 int4k: the super-blocks' D, then their M, the blocks' sc, then their mc (a byte each), then int4's
 nibbles; int5: int4's, then the fifth bits (4 bytes a block, a little-endian uint32 whose bit i is
-element i's, GGUF's order); int6: the low-half scales, the high-half scales, int4's nibbles, then
-the high bit pairs (8 bytes a block, bits 2 (i % 4) and up of byte i / 4 element i's); int8k: the
-low-half scales, the high-half scales, the offsets, then the int8s. Records of one format and K
-concatenate, so fused projections are a torch.cat; rows permute with an index (kernels/quant_gemm.c
-reads them).
+element i's, GGUF's order); int5k: int4k's, then int5's fifth bits; int6: the low-half scales,
+the high-half scales, int4's nibbles, then the high bit pairs (8 bytes a block, bits 2 (i % 4) and
+up of byte i / 4 element i's); int8k: the low-half scales, the high-half scales, the offsets, then
+the int8s. Records of one format and K concatenate, so fused projections are a torch.cat; rows
+permute with an index (kernels/quant_gemm.c reads them).
 
 GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8h at its size in the file,
 and there too IQ4_NL (``d * table[q]``, 4-bit indices into 16 fixed int8 values) at twice its size;
 IQ4_XS (the same with d a super-block's fp16 times a 6-bit scale per 32, less 32: not an fp16) in
 int8; Q4_1 and Q4_0 in int4; Q4_K, whose super-blocks of 256 carry 6-bit scales and offsets per 32
-(``d * sc * q - dmin * m``), in int4k; in int5 Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``) and
-Q5_K (Q4_K's scales with 5-bit q); in int6 Q6_K (``d * sc * (q - 32)``, sc int8 per 16, q 6 bits);
-in int8k Q3_K (``d * (sc - 32) * q``, sc 6 bits per 16, q in [-4, 3]). The products d * sc and
-dmin * m are exact in fp32, being fp16 times integers of at most 8 bits (11 + 8 significant bits <
-24), so each weight is gguf's own single rounding of that product times q (plus the offset). GGUF
-stores its scales in fp16; widening them to fp32 is exact (int8h keeps them in fp16, the kernels
-widen them as they read them)."""
+(``d * sc * q - dmin * m``), in int4k; in int5 Q5_0 (``d * (q - 16)``) and Q5_1 (``d * q + m``);
+in int5k Q5_K (Q4_K's scales with 5-bit q); in int6 Q6_K (``d * sc * (q - 32)``, sc int8 per 16,
+q 6 bits); in int8k Q3_K (``d * (sc - 32) * q``, sc 6 bits per 16, q in [-4, 3]). The products
+d * sc and dmin * m are exact in fp32, being fp16 times integers of at most 8 bits (11 + 8
+significant bits < 24), so each weight is gguf's own single rounding of that product times q
+(plus the offset); int4k and int5k keep the fp16s (in fp32) and the integers apart, and the
+kernels take the same exact products. GGUF stores its scales in fp16; widening them to fp32 is
+exact (int8h keeps them in fp16, the kernels widen them as they read them)."""
 
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ import torch
 
 BLOCK = 32
 HALF = BLOCK // 2
-FORMATS = ("int8", "int8h", "int4", "int4k", "int5", "int6", "int8k")
+FORMATS = ("int8", "int8h", "int4", "int4k", "int5", "int5k", "int6", "int8k")
 # GGUF block types that load into a format as they are: (format, elements and bytes per block).
 GGUF_BLOCKS = {
     "Q8_0": ("int8h", 32, 34),
@@ -66,7 +71,7 @@ GGUF_BLOCKS = {
     "Q4_0": ("int4", 32, 18),
     "Q4_K": ("int4k", 256, 144),
     "Q5_1": ("int5", 32, 24),
-    "Q5_K": ("int5", 256, 176),
+    "Q5_K": ("int5k", 256, 176),
     "Q3_K": ("int8k", 256, 110),
     "Q6_K": ("int6", 256, 210),
 }
@@ -79,21 +84,25 @@ _BLOCK_BYTES = {
     "int6": 16 + HALF,
     "int8k": 12 + BLOCK,
 }
-# fp32 scales and offsets per block of a record (int4k's and int8h's: those of int4 and int8,
-# `_WIDENED`).
+# fp32 scales and offsets per block of a record (int4k's, int5k's and int8h's: those of int4, int5
+# and int8, `_WIDENED`).
 _FLOATS = {"int8": 1, "int4": 2, "int5": 2, "int6": 2, "int8k": 3}
 # Bits above the nibbles per element of int5 and int6.
 _UPPER_BITS = {"int5": 1, "int6": 2}
 
 
-SUPER = 8  # blocks per super-block of int4k
+SUPER = 8  # blocks per super-block of int4k and int5k
+# The formats of 6-bit scales and offsets per block under fp32 D and M per super-block, and the
+# format of fp32 scales and offsets per block whose integers they hold.
+_SUPER_SCALED = {"int4k": "int4", "int5k": "int5"}
 
 
 def record_bytes(fmt: str, k: int) -> int:
     """Bytes of one output column's record for ``k`` inputs (a multiple of BLOCK)."""
     blocks = k // BLOCK
-    if fmt == "int4k":  # D and M per super-block, sc and mc per block, the nibbles
-        return 8 * _supers(blocks) + (2 + HALF) * blocks
+    if fmt in _SUPER_SCALED:  # D and M per super-block; per block sc and mc (2 bytes where the
+        # wider format's fp32 d and m take 8), then its integers
+        return 8 * _supers(blocks) + (_BLOCK_BYTES[_SUPER_SCALED[fmt]] - 6) * blocks
     return blocks * _BLOCK_BYTES[fmt]
 
 
@@ -157,17 +166,22 @@ def _unsigned_values(fmt: str, records: torch.Tensor, n: int, blocks: int) -> to
     return q | (_upper_values(upper, width) << 4).to(torch.uint8)
 
 
-def _int4k_as_int4(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
-    """int4k records' values in int4 records: d = D * sc and m = M * mc spelled out, exact (an
-    fp32 of GGUF's fp16 times an integer below 64)."""
-    supers = _supers(blocks)
-    heads = records[:, : 8 * supers].reshape(-1).view(torch.float32).view(n, 2, supers)
-    ints = records[:, 8 * supers : 8 * supers + 2 * blocks].reshape(n, 2, blocks).float()
-    scales = heads.repeat_interleave(SUPER, dim=-1)[..., :blocks] * ints
-    nibbles = records[:, 8 * supers + 2 * blocks :]
-    return QuantizedWeight(
-        "int4", blocks * BLOCK, _records(n, [scales[:, 0], scales[:, 1], nibbles])
-    )
+def _super_scaled_widener(wider: str):
+    """The reader of int4k (int5k) records into int4 (int5) records: d = D * sc and m = M * mc
+    spelled out, exact (an fp32 of GGUF's fp16 times an integer below 64); the nibbles (and fifth
+    bits) as they are."""
+
+    def widen(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
+        supers = _supers(blocks)
+        heads = records[:, : 8 * supers].reshape(-1).view(torch.float32).view(n, 2, supers)
+        ints = records[:, 8 * supers : 8 * supers + 2 * blocks].reshape(n, 2, blocks).float()
+        scales = heads.repeat_interleave(SUPER, dim=-1)[..., :blocks] * ints
+        values = records[:, 8 * supers + 2 * blocks :]
+        return QuantizedWeight(
+            wider, blocks * BLOCK, _records(n, [scales[:, 0], scales[:, 1], values])
+        )
+
+    return widen
 
 
 def _int8h_as_int8(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
@@ -178,7 +192,10 @@ def _int8h_as_int8(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeigh
 
 # The formats that spell another's values with narrower scales: that format, and the reader into
 # it.
-_WIDENED = {"int4k": ("int4", _int4k_as_int4), "int8h": ("int8", _int8h_as_int8)}
+_WIDENED = {
+    **{fmt: (wider, _super_scaled_widener(wider)) for fmt, wider in _SUPER_SCALED.items()},
+    "int8h": ("int8", _int8h_as_int8),
+}
 # A format asked for (a --quantization mode's) and the narrower one whose blocks from a file then
 # load as they are: int8's int8h (Q8_0's fp16 scales).
 NARROWER = {"int8": "int8h"}
@@ -187,8 +204,8 @@ NARROWER = {"int8": "int8h"}
 def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
     """``weight`` in ``fmt``, the same values: every other format converts into int8k exactly
     (both halves' scale the block's d, int6's its own two; the offset 0 or m; the integers as
-    int8, int6's less 32; int4k by way of int4's records, int8h of int8's), and int4k into int4,
-    int8h into int8 (their scales spelled out in fp32)."""
+    int8, int6's less 32; int4k by way of int4's records, int5k of int5's, int8h of int8's), and
+    int4k into int4, int5k into int5, int8h into int8 (their scales spelled out in fp32)."""
     if weight.fmt == fmt:
         return weight
     wider, widen = _WIDENED.get(weight.fmt, (None, None))
@@ -252,8 +269,8 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         scale = (high - low) / levels
         q = torch.round((blocks - low) * _inverse(scale)).clamp(0, levels).to(torch.int32)
         parts = [scale, low, *_unsigned_parts(fmt, q)]
-    elif fmt == "int4k":
-        return _quantize_int4k(blocks, n, k)
+    elif fmt in _SUPER_SCALED:
+        return _quantize_super_scaled(fmt, blocks, n, k)
     elif fmt == "int6":
         halves = blocks.view(n, k // BLOCK, 2, HALF)
         scale = halves.abs().amax(-1, keepdim=True) / 31.0  # [n, blocks, 2 halves, 1]
@@ -272,13 +289,15 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     return QuantizedWeight(fmt, k, _records(n, parts))
 
 
-def _quantize_int4k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
-    """[n, k / 32, 32] into int4k as Q4_K's layout allows: each block's offset its minimum
-    (taken to at most 0: M <= 0, mc >= 0), its scale its range over 15, both then rounded to 6
-    bits of their super-block's largest; q rounded against the scales so made."""
+def _quantize_super_scaled(fmt: str, blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    """[n, k / 32, 32] into int4k (int5k) as Q4_K's (Q5_K's) layout allows: each block's offset
+    its minimum (taken to at most 0: M <= 0, mc >= 0), its scale its range over 15 (31), both
+    then rounded to 6 bits of their super-block's largest; q rounded against the scales so
+    made."""
     nb, supers = k // BLOCK, _supers(k // BLOCK)
+    levels = 15 if fmt == "int4k" else 31
     low = blocks.amin(-1).clamp(max=0.0)
-    scale = (blocks.amax(-1) - low) / 15.0
+    scale = (blocks.amax(-1) - low) / levels
     pad = supers * SUPER - nb
     big_d, big_m = (
         torch.nn.functional.pad(v, (0, pad)).view(n, supers, SUPER) for v in (scale, low)
@@ -291,10 +310,25 @@ def _quantize_int4k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     sc = torch.round(scale * per_block(_inverse(big_d))).clamp(0, 63)
     mc = torch.round(low * per_block(_inverse(big_m))).clamp(0, 63)
     d, m = per_block(big_d) * sc, per_block(big_m) * mc
-    q = torch.round((blocks - m[..., None]) * _inverse(d)[..., None]).clamp(0, 15)
-    nibbles = _unsigned_parts("int4", q.to(torch.int32))
-    parts = [big_d, big_m, sc.to(torch.uint8), mc.to(torch.uint8), *nibbles]
-    return QuantizedWeight("int4k", k, _records(n, parts))
+    q = torch.round((blocks - m[..., None]) * _inverse(d)[..., None]).clamp(0, levels)
+    return _super_scaled(fmt, n, k, big_d, big_m, sc, mc, q.to(torch.int32))
+
+
+def _super_scaled(
+    fmt: str,
+    n: int,
+    k: int,
+    big_d: torch.Tensor,
+    big_m: torch.Tensor,
+    sc: torch.Tensor,
+    mc: torch.Tensor,
+    q: torch.Tensor,
+) -> QuantizedWeight:
+    """int4k or int5k records of D and M (fp32 [n, supers, ...]), sc and mc (integers in [0, 63],
+    [n, blocks, ...]) and the integers ``q`` [n, blocks, 32]."""
+    ints = [sc.to(torch.uint8), mc.to(torch.uint8)]
+    parts = [big_d, big_m, *ints, *_unsigned_parts(_SUPER_SCALED[fmt], q.to(torch.int32))]
+    return QuantizedWeight(fmt, k, _records(n, parts))
 
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:
@@ -409,33 +443,32 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, m
 
 
-def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
-    """Q4_K super-blocks [n, k / 256, 144] (d, dmin fp16; 12 bytes of 6-bit scales and mins for
-    8 sub-blocks; 128 bytes of nibbles, 32 per pair of sub-blocks: low nibbles the first's 32,
-    high the second's) as int4k records: D = d, M = -dmin, sc and mc the sub-blocks'."""
+def _k_quants(fmt: str, blocks: torch.Tensor, n: int, k: int, q: torch.Tensor) -> QuantizedWeight:
+    """Q4_K or Q5_K super-blocks [n, k / 256, ...] (d, dmin fp16, then 12 bytes of 6-bit scales
+    and mins for 8 sub-blocks) with their integers ``q`` [n, k] as int4k or int5k records: D = d,
+    M = -dmin, sc and mc the sub-blocks'."""
     d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
     sc, m = _k_scales(blocks[..., 4:16])
-    qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
-    values = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, k // BLOCK, BLOCK)
-    nibbles = values[..., :HALF] | (values[..., HALF:] << 4)
-    parts = [d, -dmin, sc.to(torch.uint8), m.to(torch.uint8), nibbles]
-    return QuantizedWeight("int4k", k, _records(n, parts))
+    return _super_scaled(fmt, n, k, d, -dmin, sc, m, q.reshape(n, k // BLOCK, BLOCK))
+
+
+def _k_nibbles(qs: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q4_K's and Q5_K's 128 bytes of nibbles per super-block ([n, k / 256, 128]; 32 per pair of
+    sub-blocks: low nibbles the first's 32, high the second's) as int32 [n, k]."""
+    return _bits(qs.reshape(n, k // 256, 4, 32), range(0, 8, 4), 4).reshape(n, k)
+
+
+def _q4_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    """Q4_K super-blocks [n, k / 256, 144]: d, dmin, scales (`_k_quants`), 128 bytes of nibbles
+    (`_k_nibbles`); int4k."""
+    return _k_quants("int4k", blocks, n, k, _k_nibbles(blocks[..., 16:], n, k))
 
 
 def _q5_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     """Q5_K super-blocks [n, k / 256, 176]: Q4_K's d, dmin and scales, then 32 bytes of fifth
-    bits (bit j of byte t: element 32 j + t) and 128 of nibbles as Q4_K's; int5 of scale d * sc
-    and offset -dmin * m per sub-block."""
-    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
-    sc, m = _k_scales(blocks[..., 4:16])
-    low = _bits(blocks[..., 48:].reshape(n, k // 256, 4, 32), range(0, 8, 4), 4)
-    high = _bits(blocks[..., 16:48], range(8), 1)
-    values = (low.reshape(n, k) | (high.reshape(n, k) << 4)).reshape(n, k // BLOCK, BLOCK)
-    scale = (d * sc.float()).reshape(n, k // BLOCK, 1)
-    offset = (-(dmin * m.float())).reshape(n, k // BLOCK, 1)
-    return QuantizedWeight(
-        "int5", k, _records(n, [scale, offset, *_unsigned_parts("int5", values)])
-    )
+    bits (bit j of byte t: element 32 j + t) and 128 of nibbles as Q4_K's; int5k."""
+    high = _bits(blocks[..., 16:48], range(8), 1).reshape(n, k)
+    return _k_quants("int5k", blocks, n, k, _k_nibbles(blocks[..., 48:], n, k) | (high << 4))
 
 
 def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:

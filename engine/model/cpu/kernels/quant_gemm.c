@@ -7,7 +7,8 @@
  *   int4 (QUANT_INT4): w = d * q + m, q in [0, 15]      GGUF's Q4_1 (and Q4_0: m = -8 d) blocks
  *   int4k (QUANT_INT4K): int4 with d = D * sc, m = M * mc  GGUF's Q4_K (sc, mc 6 bits per
  *                                                       block, D, M fp32 per 8 blocks)
- *   int5 (QUANT_INT5): w = d * q + m, q in [0, 31]      GGUF's Q5_0 (m = -16 d), Q5_1, Q5_K
+ *   int5 (QUANT_INT5): w = d * q + m, q in [0, 31]      GGUF's Q5_0 (m = -16 d), Q5_1
+ *   int5k (QUANT_INT5K): int5 with d = D * sc, m = M * mc  GGUF's Q5_K (as int4k)
  *   int6 (QUANT_INT6): w = d_half * (q - 32), q in [0, 63]   GGUF's Q6_K (one d per 16)
  *   int8k (QUANT_INT8K): w = d_half * q + m, q int8     one d per 16 inputs: GGUF's Q3_K; mixed
  *                                                       fused projections
@@ -55,9 +56,15 @@
 #define SERIAL_QUANTIZE 32768 /* activations (m x k) up to which one thread quantises them */
 
 enum { QUANT_INT8 = 0, QUANT_INT4 = 1, QUANT_INT8K = 2, QUANT_INT5 = 3, QUANT_INT6 = 4,
-       QUANT_INT4K = 5, QUANT_INT8H = 6 };
-#define SUPER 8     /* int4k's blocks per super-block */
-#define SUPER_HEAD 64 /* int4k's D [8] and M [8] f32 before each super-block's blocks */
+       QUANT_INT4K = 5, QUANT_INT8H = 6, QUANT_INT5K = 7 };
+#define SUPER 8     /* int4k's and int5k's blocks per super-block */
+#define SUPER_HEAD 64 /* their D [8] and M [8] f32 before each super-block's blocks */
+
+/* Whether the format's d and m are D * sc and M * mc (int4k, int5k: 6-bit sc, mc per block, fp32
+ * D, M per super-block). */
+static inline int super_scaled(int format) {
+    return format == QUANT_INT4K || format == QUANT_INT5K;
+}
 
 /* Which integer dot product this build runs. */
 const char *quant_gemm_isa(void) {
@@ -77,7 +84,7 @@ const char *quant_gemm_isa(void) {
  * a shift and a mask take each quad's); int6 d_lo [8], d_hi [8] f32, int4's nibbles, then the
  * high bit pairs [2][8 columns][4] (bits 2 j, 2 j + 1 of the first: quad j's, of the second: quad
  * j + 4's); int4k sc [8], mc [8] u8, int4's nibbles, each super-block's blocks after its D [8]
- * and M [8] f32 (SUPER_HEAD); int8k d_lo
+ * and M [8] f32 (SUPER_HEAD); int5k int4k's, then int5's fifth bits; int8k d_lo
  * [8], d_hi [8], m [8] f32, u [8 quads][8 columns][4] (quads 0-3: d_lo's). The int8s are held as
  * u = q + 128 (q ^ 0x80): vpdpbusd's unsigned operand, against the signed activations, so the
  * correction 128 sum(q_x) is the activations' (one per row and half-block, QuantRow.c) and the
@@ -88,6 +95,7 @@ static int64_t group_block_bytes(int format) {
     case QUANT_INT4: return 64 + BLOCK * GROUP / 2;
     case QUANT_INT4K: return 16 + BLOCK * GROUP / 2;
     case QUANT_INT5: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 8;
+    case QUANT_INT5K: return 16 + BLOCK * GROUP / 2 + BLOCK * GROUP / 8;
     case QUANT_INT6: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 4;
     case QUANT_INT8K: return 96 + BLOCK * GROUP;
     case QUANT_INT8H: return 16 + BLOCK * GROUP;
@@ -99,6 +107,7 @@ static int64_t group_block_bytes(int format) {
 static int64_t quads_offset(int format) {
     switch (format) {
     case QUANT_INT4K:
+    case QUANT_INT5K:
     case QUANT_INT8H: return 16;
     case QUANT_INT4:
     case QUANT_INT5:
@@ -108,8 +117,8 @@ static int64_t quads_offset(int format) {
     }
 }
 
-/* fp32 scales (and offsets) per column and block: d; d, m; d_lo, d_hi, m (int4k's and int8h's
- * are not fp32: block_scales). */
+/* fp32 scales (and offsets) per column and block: d; d, m; d_lo, d_hi, m (int4k's, int5k's and
+ * int8h's are not fp32: block_scales). */
 static int scale_count(int format) {
     switch (format) {
     case QUANT_INT4:
@@ -122,7 +131,7 @@ static int scale_count(int format) {
 
 static int64_t supers_of(int64_t nb) { return (nb + SUPER - 1) / SUPER; }
 
-/* Bytes of a column record per block, but int4k's. */
+/* Bytes of a column record per block, but int4k's and int5k's. */
 static int64_t record_block_bytes(int format) {
     switch (format) {
     case QUANT_INT4: return 8 + BLOCK / 2;
@@ -134,9 +143,16 @@ static int64_t record_block_bytes(int format) {
     }
 }
 
-/* Bytes of a column record (quant_formats.record_bytes) of nb blocks. */
+/* Bits above the nibbles per element: int5 and int5k 1, int6 2 (int4 0). */
+static int upper_width(int format) {
+    return format == QUANT_INT5 || format == QUANT_INT5K ? 1 : format == QUANT_INT6 ? 2 : 0;
+}
+
+/* Bytes of a column record (quant_formats.record_bytes) of nb blocks: int4k's and int5k's D and M
+ * per super-block, then per block sc, mc, the nibbles and the fifth bits. */
 static int64_t record_bytes(int format, int64_t nb) {
-    if (format == QUANT_INT4K) return 8 * supers_of(nb) + (2 + BLOCK / 2) * nb;
+    if (super_scaled(format))
+        return 8 * supers_of(nb) + (2 + BLOCK / 2 + BLOCK * upper_width(format) / 8) * nb;
     return nb * record_block_bytes(format);
 }
 
@@ -144,17 +160,17 @@ static int64_t groups_of(int64_t n) { return (n + GROUP - 1) / GROUP; }
 
 /* Bytes of one packed group of 8 columns over nb blocks. */
 static int64_t group_bytes(int format, int64_t nb) {
-    const int64_t heads = format == QUANT_INT4K ? supers_of(nb) * SUPER_HEAD : 0;
+    const int64_t heads = super_scaled(format) ? supers_of(nb) * SUPER_HEAD : 0;
     return heads + nb * group_block_bytes(format);
 }
 
-/* Block b of a packed group, and int4k's super-block head (D [8], M [8]) of block b. */
+/* Block b of a packed group, and int4k's or int5k's super-block head (D [8], M [8]) of block b. */
 static inline const uint8_t *block_at(int format, const uint8_t *group, int64_t b) {
-    const int64_t heads = format == QUANT_INT4K ? (b / SUPER + 1) * SUPER_HEAD : 0;
+    const int64_t heads = super_scaled(format) ? (b / SUPER + 1) * SUPER_HEAD : 0;
     return group + heads + b * group_block_bytes(format);
 }
-static inline const float *super_head(const uint8_t *group, int64_t b) {
-    const int64_t super_bytes = SUPER_HEAD + SUPER * group_block_bytes(QUANT_INT4K);
+static inline const float *super_head(int format, const uint8_t *group, int64_t b) {
+    const int64_t super_bytes = SUPER_HEAD + SUPER * group_block_bytes(format);
     return (const float *)(group + b / SUPER * super_bytes);
 }
 
@@ -172,14 +188,11 @@ static inline int record_nibble(const uint8_t *nibbles, int i) {
     return i < 16 ? nibbles[i] & 0x0F : nibbles[i - 16] >> 4;
 }
 
-/* Bits above the nibbles per element: int5 1, int6 2 (int4 0). */
-static int upper_width(int format) {
-    return format == QUANT_INT5 ? 1 : format == QUANT_INT6 ? 2 : 0;
+/* Where quad j's upper bits lie in a packed group block: the vector (after the nibbles: from byte
+ * 192, int5k's 144) and the shift in each of its bytes. */
+static inline int upper_at(int format, int j) {
+    return quads_offset(format) + BLOCK * GROUP / 2 + 32 * (j / (8 / upper_width(format)));
 }
-
-/* Where quad j's upper bits lie in a packed group block: the vector (from byte 192) and the shift
- * in each of its bytes. */
-static inline int upper_at(int width, int j) { return 192 + 32 * (j / (8 / width)); }
 static inline int upper_shift(int width, int j) { return width * (j % (8 / width)); }
 
 /* The int8 of column c's element 4 quad + lane in a packed int8 / int8h / int8k group block
@@ -194,7 +207,7 @@ static inline int packed_value(int format, const uint8_t *blk, int c, int quad, 
     int q = quad < 4 ? byte & 0x0F : byte >> 4;
     const int width = upper_width(format);
     if (width)
-        q |= ((blk[upper_at(width, quad) + c * 4 + lane] >> upper_shift(width, quad)) &
+        q |= ((blk[upper_at(format, quad) + c * 4 + lane] >> upper_shift(width, quad)) &
               ((1 << width) - 1))
              << 4;
     return q;
@@ -240,8 +253,8 @@ static void pack_quads(uint8_t *dst, int c, const int8_t *q) {
 }
 
 /* Block b's scales of a packed group's 8 columns, as the kernel multiplies by them: d [8], then m
- * [8] (int4, int5), d_hi [8] (int6) or d_hi and m (int8k); int4k's products D * sc and M * mc
- * (exact: an fp16's value times an integer below 64); int8h's fp16s widened (exact). */
+ * [8] (int4, int5), d_hi [8] (int6) or d_hi and m (int8k); int4k's and int5k's products D * sc
+ * and M * mc (exact: an fp16's value times an integer below 64); int8h's fp16s widened (exact). */
 static void block_scales(int format, const uint8_t *group, int64_t b, float scales[3 * GROUP]) {
     const uint8_t *blk = block_at(format, group, b);
     if (format == QUANT_INT8H) {
@@ -252,8 +265,8 @@ static void block_scales(int format, const uint8_t *group, int64_t b, float scal
         }
         return;
     }
-    if (format == QUANT_INT4K) {
-        const float *head = super_head(group, b);
+    if (super_scaled(format)) {
+        const float *head = super_head(format, group, b);
         for (int c = 0; c < GROUP; c++) {
             scales[c] = head[c] * (float)blk[c];
             scales[GROUP + c] = head[GROUP + c] * (float)blk[GROUP + c];
@@ -276,10 +289,10 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
             for (int c = 0; c < GROUP && g * GROUP + c < n; c++) {
                 const uint8_t *rec = records + (g * GROUP + c) * record;
                 const uint8_t *ints;
-                if (format == QUANT_INT4K) {
+                if (super_scaled(format)) {
                     const int64_t ns = supers_of(nb);
-                    /* int4k records are 19 bytes a block: their floats unaligned */
-                    float *head = (float *)super_head(group, b);
+                    /* int4k (int5k) records are 19 (23) bytes a block: their floats unaligned */
+                    float *head = (float *)super_head(format, group, b);
                     memcpy(&head[c], rec + 4 * (b / SUPER), 4);
                     memcpy(&head[GROUP + c], rec + 4 * (ns + b / SUPER), 4);
                     dst[c] = rec[8 * ns + b];
@@ -303,7 +316,7 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
                                           record_nibble(nibbles, 16 + 4 * j + t) << 4);
                     if (upper_width(format)) {
                         const int width = upper_width(format), per_byte = 8 / width;
-                        pack_upper(dst + upper_at(width, 0) + c * 4,
+                        pack_upper(dst + upper_at(format, 0) + c * 4,
                                    ints + nb * (BLOCK / 2) + b * BLOCK / per_byte, width);
                     }
                 } else {
@@ -465,9 +478,9 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
         for (int64_t line = 0; line < gb; line += 64)
             __builtin_prefetch(blk + PREFETCH_AHEAD + line, 0, 3);
         __m256 wd, w2; /* d; m, or d_hi of int6 and int8k */
-        if (format == QUANT_INT4K) {
-            /* D sc and M mc: exact products, the values int4's scales would hold */
-            const float *head = super_head(group, b);
+        if (super_scaled(format)) {
+            /* D sc and M mc: exact products, the values int4's (int5's) scales would hold */
+            const float *head = super_head(format, group, b);
             const __m256 sc = _mm256_cvtepi32_ps(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)blk)));
             const __m256 mc = _mm256_cvtepi32_ps(
@@ -490,8 +503,10 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
                j: int5's bit j; int6's bits 2 j, 2 j + 1 in the first vector for quads 0-3, in the
                second for quads 4-7 */
             __m256i upper[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            if (format != QUANT_INT4) upper[0] = _mm256_loadu_si256((const __m256i *)(blk + 192));
-            if (format == QUANT_INT6) upper[1] = _mm256_loadu_si256((const __m256i *)(blk + 224));
+            if (upper_width(format))
+                upper[0] = _mm256_loadu_si256((const __m256i *)(blk + upper_at(format, 0)));
+            if (format == QUANT_INT6)
+                upper[1] = _mm256_loadu_si256((const __m256i *)(blk + upper_at(format, 4)));
             /* int6 keeps its halves apart (dots: d_lo's quads 0-3, high: d_hi's 4-7), each
                starting at -32 sum(q_x) of its half: the integers' offset of 32 */
             __m256i high[ROWS];
@@ -515,7 +530,7 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
                     _mm256_loadu_si256((const __m256i *)(blk + quads_offset(format) + 32 * j));
                 __m256i lo = _mm256_and_si256(v, low);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                if (format == QUANT_INT5) {
+                if (upper_width(format) == 1) {
                     lo = _mm256_or_si256(lo, upper_bits(upper[0], j, 1));
                     hi = _mm256_or_si256(hi, upper_bits(upper[0], j + QUADS / 2, 1));
                 } else if (format == QUANT_INT6) {
@@ -655,7 +670,7 @@ static void group_rows(int format, const uint8_t *group, int64_t nb, const Quant
             const int8_t *xq = x[r].q + b * BLOCK;
             for (int c = 0; c < GROUP; c++) {
                 int dot = 0;
-                if (format == QUANT_INT4 || format == QUANT_INT4K || format == QUANT_INT5) {
+                if (!int8_values(format) && format != QUANT_INT6) { /* int4, int5 (k): d q + m */
                     for (int i = 0; i < BLOCK; i++)
                         dot += packed_value(format, blk, c, i / 4, i % 4) * xq[i];
                     out[r][c] += wd[GROUP + c] * x[r].s[b];
@@ -716,6 +731,7 @@ static void group_out(const NarrowLinear *w, int64_t g, const QuantRow *x, int64
     case QUANT_INT5: format_rows(QUANT_INT5, group, nb, x + r0, rows, out); break;
     case QUANT_INT6: format_rows(QUANT_INT6, group, nb, x + r0, rows, out); break;
     case QUANT_INT4K: format_rows(QUANT_INT4K, group, nb, x + r0, rows, out); break;
+    case QUANT_INT5K: format_rows(QUANT_INT5K, group, nb, x + r0, rows, out); break;
     case QUANT_INT8K: format_rows(QUANT_INT8K, group, nb, x + r0, rows, out); break;
     case QUANT_INT8H: format_rows(QUANT_INT8H, group, nb, x + r0, rows, out); break;
     default: format_rows(QUANT_INT8, group, nb, x + r0, rows, out); break;

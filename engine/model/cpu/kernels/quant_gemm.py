@@ -14,7 +14,16 @@ from engine.model.cpu.kernels.build import load
 from engine.model.cpu.quant_formats import QuantizedWeight
 
 # The formats' codes in quant_gemm.c.
-FORMAT_CODES = {"int8": 0, "int4": 1, "int8k": 2, "int5": 3, "int6": 4, "int4k": 5, "int8h": 6}
+FORMAT_CODES = {
+    "int8": 0,
+    "int4": 1,
+    "int8k": 2,
+    "int5": 3,
+    "int6": 4,
+    "int4k": 5,
+    "int8h": 6,
+    "int5k": 7,
+}
 
 _typed: set[int] = set()  # libraries (by handle) whose entry points are typed
 
