@@ -318,11 +318,14 @@ class ResidencyManager:
         if not awake and not parked:
             return None
         fp = res.footprint
+        # a parked engine holds no more than an awake one: the parked floor's estimate (the
+        # runtime) can exceed a small model's measured awake footprint until it is measured too
+        parked_floor = min(fp.parked_bytes, fp.awake_bytes)
         return Resident(
             name=name,
             awake=awake > 0,
             awake_bytes=(awake + parked) * fp.awake_bytes,
-            parked_bytes=(awake + parked) * fp.parked_bytes,
+            parked_bytes=(awake + parked) * parked_floor,
             gpu_fraction=awake * fp.gpu_fraction,
             evictable=self._evictable(name, states),
             priority=res.config.priority,

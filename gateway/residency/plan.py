@@ -5,9 +5,10 @@ Rules, in order:
    Pinned models and busy ones never do; when they fill the budget, the load waits.
 2. Among evictable models, the lowest ``priority`` goes first, then the least recently used.
 3. Parking comes before stopping: idle awake models are parked (a wake later costs a weight
-   copy) until the newcomer fits; only if every evictable awake model is parked and it still does
-   not fit are parked models stopped (a cold start later), in the same order. A model that would be
-   parked and then stopped is just stopped.
+   copy) until the newcomer fits, unless parking one would free nothing (its parked floor, still
+   an estimate, no smaller than its measured awake footprint); only if every evictable awake
+   model is parked and it still does not fit are parked models stopped (a cold start later), in
+   the same order. A model that would be parked and then stopped is just stopped.
 4. If evicting every evictable model would not make room, nothing is evicted: the plan is None.
 5. With parking off (``gateway.memory.park: false``), every eviction is a stop.
 6. What structured outputs may still add to an awake model (``growth_bytes``: grammar cache room,
@@ -82,7 +83,7 @@ def plan_room(
     for r in order if park else ():
         if fits():
             break
-        if r.awake:
+        if r.awake and r.parked_bytes < r.awake_bytes:  # else parking would free nothing
             actions[r.name] = "park"
             cpu -= r.awake_bytes - r.parked_bytes
             gpu -= r.gpu_fraction

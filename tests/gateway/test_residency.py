@@ -439,3 +439,24 @@ async def test_structured_growth_is_reserved_once_and_what_grew_makes_room(
         await wait_for(
             lambda: gateway.residency.budget()["cpu_resident_bytes"] == resident, timeout=5
         )
+
+
+async def test_a_parked_floor_estimated_above_the_measured_footprint_is_not_counted_on(
+    pooled, tmp_path
+):
+    # measured awake at 300 MiB, their parked floor still the 512 MiB estimate (an estimate of
+    # 600 MiB): the third copy in 1000 MiB stops the least recent one; parking would free nothing
+    # as planned (and once counted the floor above the awake footprint: both were stopped)
+    small = ["--rss-bytes", str(300 * MiB), "--parked-rss-bytes", str(100 * MiB)]
+    models = [
+        {"name": name, "residency": "on_demand", "engine_args": small, "idle_ttl_s": 600,
+         "memory_estimate": "600MiB"}
+        for name in ("a", "b", "c")
+    ]  # fmt: skip
+    gateway, url, _ = await pooled(fleet(tmp_path, models, {"cpu_bytes": "1000MiB"}))
+    async with aiohttp.ClientSession() as session:
+        for name in ("a", "b"):
+            assert (await request(session, url, name))[0] == 200
+            await wait_for(lambda n=name: gateway.residency.models[n].footprint.measured, 5)
+        assert (await request(session, url, "c"))[0] == 200
+        assert states(gateway, "a") == [] and states(gateway, "b") == [S.READY]

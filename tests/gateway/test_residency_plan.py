@@ -95,3 +95,10 @@ def test_what_has_grown_past_the_budget_makes_room_like_a_load():
         resident("b", awake_bytes=GiB, parked_bytes=GiB // 4),
     ]
     assert plan_room(Need(0), GiB * 11 // 2, 0.95, residents) == [Eviction("b", "park")]
+
+
+def test_a_model_whose_parked_floor_is_no_smaller_is_not_parked_for_room():
+    # "a"'s parked floor (an estimate) is its awake footprint: parking it frees nothing
+    residents = [resident("a", awake_bytes=GiB, parked_bytes=GiB, last_used=1),
+                 resident("b", last_used=2)]  # fmt: skip
+    assert plan_room(Need(2 * GiB), 6 * GiB, 0.95, residents) == [Eviction("b", "park")]
