@@ -50,6 +50,7 @@ class Footprint:
     # awake, what structured outputs may still add: the grammar cache's room, compile workers not
     # running, the grammar vocabulary until built
     growth_bytes: int = 0
+    parked_measured: bool = False  # else parked_bytes is an estimate (see parked_estimate)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -149,6 +150,19 @@ def measured_growth(status: dict[str, object] | None) -> int:
     memory = _memory(status)
     headroom = _bytes(memory, "structured_headroom_bytes")
     return max(0, headroom - _bytes(memory, "compile_workers_rss_bytes"))
+
+
+def parked_estimate(status: dict[str, object] | None) -> int | None:
+    """What an awake engine will hold parked, before it has been: its memory less the weights and
+    KV cache a park releases (``weights_bytes``, ``kv_cache_bytes``); None where it does not
+    report them (an older engine, an external server). Closer than the runtime's 512 MiB for a
+    small model, whose whole awake footprint can be less (docs/PERFORMANCE.md#residency)."""
+    memory = _memory(status)
+    held = _bytes(memory, "pss_bytes") or _bytes(memory, "rss_bytes")
+    released = _bytes(memory, "weights_bytes") + _bytes(memory, "kv_cache_bytes")
+    if not held or not released:
+        return None
+    return max(held - released, 0)
 
 
 def _memory(status: dict[str, object] | None) -> dict[str, object]:

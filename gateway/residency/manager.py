@@ -41,6 +41,7 @@ from gateway.residency.footprint import (
     machine_ram_bytes,
     measured_bytes,
     measured_growth,
+    parked_estimate,
 )
 from gateway.residency.plan import Eviction, Need, Resident, plan_room
 from gateway.router import ModelRoute, Router
@@ -445,8 +446,11 @@ class ResidencyManager:
         if awake:
             fp.awake_bytes, fp.measured = taken, True
             fp.growth_bytes = measured_growth(status)
+            parked = parked_estimate(status)
+            if not fp.parked_measured and parked is not None:
+                fp.parked_bytes = parked
         else:
-            fp.parked_bytes = taken
+            fp.parked_bytes, fp.parked_measured = taken, True
         self._report_memory()
 
     def _report_memory(self) -> None:

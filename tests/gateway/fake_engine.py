@@ -11,7 +11,8 @@ Test-only flags (passed through ``engine_args`` in models.yaml): ``--ready-delay
 N`` and ``--parked-rss-bytes N`` (what /status reports awake and asleep),
 ``--structured-headroom-bytes N`` (what structured outputs may still add, awake),
 ``--compiled-rss-bytes N`` (awake after a request with the mock key ``compile``, until it parks:
-its headroom then spent), ``--wake-delay-s S``,
+its headroom then spent), ``--weights-bytes N`` (what a park releases, reported awake),
+``--wake-delay-s S``,
 ``--crash-after-ready-s S`` (exit 1 that long after its first /ready 200: a crash while serving).
 
 Per request, besides the mock upstream's ``mock`` keys: ``arrive_delay_ms`` waits before looking
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--parked-rss-bytes", type=int, default=0)
     parser.add_argument("--structured-headroom-bytes", type=int, default=0)
     parser.add_argument("--compiled-rss-bytes", type=int, default=0)
+    parser.add_argument("--weights-bytes", type=int, default=0)
     parser.add_argument("--crash-after-ready-s", type=float, default=None)
     parser.add_argument("--between-phases-s", type=float, default=0.0)
     args, _engine_flags = parser.parse_known_args()
@@ -127,6 +129,8 @@ def main() -> None:
         memory = {"rss_bytes": rss} if rss else {}
         if headroom:
             memory["structured_headroom_bytes"] = headroom
+        if args.weights_bytes and not sleeping["now"]:
+            memory["weights_bytes"] = args.weights_bytes
         park = {"parks": sleeping["parks"], "wakes": sleeping["wakes"]}
         body = {"sleeping": sleeping["now"], "device": "cpu", "memory": memory, "park": park,
                 "startup": startup()}  # fmt: skip

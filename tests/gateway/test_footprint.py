@@ -18,6 +18,7 @@ from gateway.residency.footprint import (
     estimate,
     measured_bytes,
     measured_growth,
+    parked_estimate,
 )
 
 MiB = 2**20
@@ -38,6 +39,13 @@ def test_awake_counts_rss_activations_and_the_running_workers():
 def test_the_growth_is_the_headroom_less_the_running_workers():
     assert measured_growth({"memory": AWAKE}) == (284 - 80) * MiB
     assert measured_growth({"memory": {**AWAKE, "compile_workers_rss_bytes": 300 * MiB}}) == 0
+
+
+def test_the_parked_floor_is_estimated_as_what_a_park_does_not_release():
+    memory = {"pss_bytes": 900, "rss_bytes": 1200, "weights_bytes": 300, "kv_cache_bytes": 400}
+    assert parked_estimate({"memory": memory}) == 200
+    assert parked_estimate({"memory": {"rss_bytes": 1200}}) is None  # an older engine
+    assert parked_estimate({"memory": {**memory, "weights_bytes": 2000}}) == 0
 
 
 def test_parked_counts_the_rss_alone():
