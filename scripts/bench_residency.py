@@ -144,7 +144,8 @@ def print_summary(report: dict[str, Any]) -> None:
             budget[k] / MiB for k in ("cpu_bytes", "two_largest_awake_bytes", "parked_floor_bytes")
         )
         line = f"budget {total:.0f} MiB = two largest awake {two:.0f} MiB + parked floor "
-        line += f"{floor:.0f} MiB ({budget['parked_floor_source']}) + margin"
+        line += f"{floor:.0f} MiB ({budget['parked_floor_source']}) + growth reserved once "
+        line += f"{budget.get('growth_bytes', 0) / MiB:.0f} MiB + margin"
         print(line + (f"; {budget['adjusted']}" if budget["adjusted"] else ""))
     widths = [14, 8, 9, 9, 10, 8, 16, 6, 6, 7, 10]
     header = ["policy", "req/s", "p50", "p99", "ttft p99", "errors", "evictions", "cold", "wake"]
@@ -223,7 +224,11 @@ async def main_async(args: argparse.Namespace, report: dict[str, Any]) -> None:
         raise RuntimeError(f"all_resident failed, no footprints for a budget: {first['error']}")
     fp = first["footprints"]
     budget = choose_budget(
-        fp["awake_after_load"], fp["awake_after_wake"], fp["parked"], args.margin
+        fp["awake_after_load"],
+        fp["awake_after_wake"],
+        fp["parked"],
+        args.margin,
+        growth=max(fp["growth"].values(), default=0),
     )
     if args.budget:
         budget.update(cpu_bytes=parse_size(args.budget), adjusted=f"--budget {args.budget}")

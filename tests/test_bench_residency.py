@@ -186,6 +186,13 @@ def test_budget_is_two_largest_awake_plus_smallest_parked_floor_plus_margin() ->
     assert out["adjusted"] is None and not out["holds_three_awake"]
 
 
+def test_budget_counts_the_growth_reserved_once() -> None:
+    awake = {"a": 2 * GiB, "b": 2 * GiB, "c": 5 * GiB}
+    out = choose_budget(awake, {}, {"a": GiB // 2}, margin=0.0, growth=GiB)
+    assert out["cpu_bytes"] == int(8.5 * GiB) and out["growth_bytes"] == GiB
+    assert out["three_awake_smallest_bytes"] == 10 * GiB  # the three awake, and the growth
+
+
 def test_budget_without_a_measured_parked_floor_uses_the_default() -> None:
     out = choose_budget({"a": 2 * GiB, "b": 2 * GiB, "c": 5 * GiB}, {}, {})
     assert out["parked_floor_bytes"] == DEFAULT_PARKED_FLOOR

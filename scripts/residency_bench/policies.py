@@ -95,6 +95,7 @@ async def run_all_resident(s: Settings, cpu_bytes: int) -> dict[str, Any]:
         out["setup"] = [await _load(gw, n) for n in s.names]
         models = await gw.models()
         awake = {n: models[n]["footprint"]["awake_bytes"] for n in s.names}
+        growth = {n: models[n]["footprint"].get("growth_bytes", 0) for n in s.names}
         parked: dict[str, int] = {}
         awake_after_wake: dict[str, int] = {}
         park_refused: dict[str, str] = {}
@@ -115,6 +116,7 @@ async def run_all_resident(s: Settings, cpu_bytes: int) -> dict[str, Any]:
             "parked": parked,
             "awake_after_wake": awake_after_wake,
             "park_refused": park_refused,
+            "growth": growth,
         }
         s.endpoints.update({n: await _endpoint(gw, n, s.max_tokens) for n in s.names})
         out["endpoints"] = dict(s.endpoints)

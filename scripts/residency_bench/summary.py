@@ -180,22 +180,25 @@ def choose_budget(
     awake_low: dict[str, int],
     parked: dict[str, int],
     margin: float = 0.05,
+    growth: int = 0,
 ) -> dict[str, Any]:
     """A host-memory budget that holds two models awake and the third parked, but not three awake.
 
     ``awake``: each model's footprint after a cold start; ``awake_low``: the smallest awake figure
     seen (after a wake an engine may hold less than after its load); ``parked``: measured parked
-    footprints (empty: none could park). The rule: the two largest awake footprints plus the
-    smallest parked floor, plus ``margin``. If that would also hold the three smallest awake
-    figures together, the budget goes halfway between the two sums instead."""
+    footprints (empty: none could park); ``growth``: the largest of the models' structured-output
+    growth, which the gateway reserves once beside whatever is awake. The rule: the two largest
+    awake footprints plus the smallest parked floor plus ``growth``, plus ``margin``. If that
+    would also hold the three smallest awake figures together (and ``growth``), the budget goes
+    halfway between the two sums instead."""
     if len(awake) < 3:
         raise ValueError("need three models' awake footprints")
     two = sum(sorted(awake.values(), reverse=True)[:2])
     floor = min(parked.values()) if parked else DEFAULT_PARKED_FLOOR
-    base = two + floor
+    base = two + floor + growth
     formula = int(base * (1 + margin))
     lows = {m: min(awake[m], awake_low.get(m, awake[m])) for m in awake}
-    three = sum(lows.values())
+    three = sum(lows.values()) + growth
     budget, note = formula, None
     if formula >= three:
         if base < three:
@@ -213,6 +216,7 @@ def choose_budget(
         "two_largest_awake_bytes": two,
         "parked_floor_bytes": floor,
         "parked_floor_source": "measured" if parked else "default (600 MiB)",
+        "growth_bytes": growth,
         "margin": margin,
         "three_awake_smallest_bytes": three,
         "holds_three_awake": budget >= three,
