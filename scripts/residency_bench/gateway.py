@@ -152,6 +152,16 @@ class Gateway:
                 return value
             await asyncio.sleep(0.2)
 
+    async def measured_footprint(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
+        """``name``'s footprint once the gateway has measured it (it does so in the background
+        after the replica is ready), or as it is after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            footprint = (await self.models())[name]["footprint"]
+            if footprint["source"] == "measured" or time.monotonic() >= deadline:
+                return footprint
+            await asyncio.sleep(0.2)
+
     def engine_memory(self) -> tuple[int, int]:
         """What this gateway's engines hold now (/proc), whatever it plans: their summed RSS,
         and the summed PSS of every process under the gateway (engines, the engine templates

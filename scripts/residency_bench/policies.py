@@ -93,9 +93,10 @@ async def run_all_resident(s: Settings, cpu_bytes: int) -> dict[str, Any]:
     try:
         await gw.start()
         out["setup"] = [await _load(gw, n) for n in s.names]
-        models = await gw.models()
-        awake = {n: models[n]["footprint"]["awake_bytes"] for n in s.names}
-        growth = {n: models[n]["footprint"].get("growth_bytes", 0) for n in s.names}
+        # measured, not the estimate the gateway plans with until the engine's /status is read
+        footprints = {n: await gw.measured_footprint(n) for n in s.names}
+        awake = {n: footprints[n]["awake_bytes"] for n in s.names}
+        growth = {n: footprints[n].get("growth_bytes", 0) for n in s.names}
         parked: dict[str, int] = {}
         awake_after_wake: dict[str, int] = {}
         park_refused: dict[str, str] = {}
