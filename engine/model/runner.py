@@ -92,7 +92,8 @@ class ModelRunner:
             if self.lean is not None and self.snapshot is not None:
                 self.snapshot.save()
         self.num_blocks = num_blocks_for_budget(self.spec, budget, max_model_len)
-        self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
+        with startup.phase("kv cache"):  # committed now: the first touch of its pages
+            self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
         # sleep and wake: every object that holds weights is a root of the parker's walk
         self.parker = WeightParker(
             [self.model, self.lean, self.cpu], self.device, cache_root() / "park"
