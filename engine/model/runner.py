@@ -14,7 +14,6 @@ import functools
 import inspect
 import logging
 import time
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +31,7 @@ from engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for
 from engine.model.loader import LoadedModel, cache_root, resolve_dtype
 from engine.model.park.weights import WeightParker
 from engine.model.step_batch import StepBatch
-from engine.model.step_context import StepContext
+from engine.model.step_context import CONTEXT_KWARG, StepContext
 from engine.model.step_profile import StepProfile
 
 if TYPE_CHECKING:
@@ -69,7 +68,11 @@ class ModelRunner:
         self.snapshot = loaded.snapshot
         restored = self.snapshot is not None and self.snapshot.restored
         if not restored:
-            _transformers_attention().use_paged_attention(self.model)
+            # imported here: it registers with transformers' attention interface, whose import
+            # is transformers' modeling
+            from engine.model.transformers_attention import use_paged_attention
+
+            use_paged_attention(self.model)
         # Chosen once; every step's StepContext carries it to the attention calls.
         self.attention_backend = select_backend(self.device)
         self.num_fused_norms = fuse_rms_norms(self.model)
@@ -384,7 +387,7 @@ class ModelRunner:
             "input_ids": input_ids[None],
             "position_ids": positions[None],
             "use_cache": False,
-            _transformers_attention().CONTEXT_KWARG: ctx,
+            CONTEXT_KWARG: ctx,
         }
         if rows is None:
             self.model.base_model(**kwargs)
@@ -404,11 +407,3 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
-
-
-def _transformers_attention() -> ModuleType:
-    """engine.model.transformers_attention, imported where transformers' forward runs: it
-    registers with transformers' attention interface, whose import is transformers' modeling."""
-    from engine.model import transformers_attention
-
-    return transformers_attention

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.model.cache_dir import remove_stale, write_atomic_text
+
 log = logging.getLogger(__name__)
 
 # Bump when what a snapshot records, or how it is rebuilt, changes.
@@ -129,12 +131,9 @@ def _kind(name: str, module: nn.Module) -> str:
         return "dropout"
     if kind is nn.ModuleList:
         return "list"
-    if kind.__name__ in _SILU:
-        return "silu"
-    if kind.__name__ in _GELU_TANH or (
-        isinstance(module, nn.GELU) and module.approximate == "tanh"
-    ):
-        return "gelu_tanh"
+    activation = activation_kind(module)
+    if activation is not None:
+        return activation
     if kind.__name__.endswith("RotaryEmbedding"):
         rope_types = getattr(module, "rope_type", "default")
         types = rope_types.values() if isinstance(rope_types, dict) else [rope_types]
@@ -144,6 +143,17 @@ def _kind(name: str, module: nn.Module) -> str:
     # a container (layer, attention, MLP) or a norm: the lean forward calls no such module's
     # forward (an embedding or activation of another class it refuses, whatever the tree)
     return "part"
+
+
+def activation_kind(module: object) -> str | None:
+    """``silu`` or ``gelu_tanh`` for the activation modules the lean forward runs (torch's and
+    transformers' classes of each), else None."""
+    name = type(module).__name__
+    if name in _SILU:
+        return "silu"
+    if name in _GELU_TANH or (isinstance(module, nn.GELU) and module.approximate == "tanh"):
+        return "gelu_tanh"
+    return None
 
 
 def _leaf_attrs(kind: str, module: nn.Module) -> dict[str, Any]:
@@ -342,8 +352,6 @@ class SnapshotSlot:
     def save(self) -> None:
         if self.pending is None:
             return
-        from engine.model.cache_dir import remove_stale, write_atomic_text
-
         write_atomic_text(self.path, self.pending.to_json())
         remove_stale(self.path.parent, "*.json")
         self.pending = None

@@ -15,6 +15,10 @@ from engine.model.attention.backends import paged_attention
 from engine.model.attention.metadata import AttentionMetadata
 from engine.model.step_profile import ATTENTION, QKV_IN_ATTENTION, StepProfile
 
+# The keyword under which transformers' forward passes a step's StepContext down to the attention
+# function (engine.model.transformers_attention).
+CONTEXT_KWARG = "modelyard_step"
+
 
 @dataclass
 class StepContext:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from engine.model.step_context import StepContext
+from engine.model.step_context import CONTEXT_KWARG, StepContext
 
 ATTN_IMPLEMENTATION = "modelyard_paged"
-CONTEXT_KWARG = "modelyard_step"
 
 
 def use_paged_attention(model: torch.nn.Module) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.model.cpu.linear import FusedMember, PrepackedLinear
 from engine.model.cpu.quant_linear import QuantizedEmbedding, QuantizedLinear
-from engine.model.skeleton import ScaledEmbedding
+from engine.model.skeleton import ScaledEmbedding, activation_kind
 
 # The linears the lean forward runs: prepacked dense ones or narrow-weight ones.
 Linear = PrepackedLinear | QuantizedLinear
@@ -24,8 +24,6 @@ Linear = PrepackedLinear | QuantizedLinear
 Norm = tuple[torch.Tensor, float]
 
 _LLAMA_BLOCK = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
-_SILU = frozenset({"SiLU", "SiLUActivation"})
-_GELU_TANH = frozenset({"GELUTanh", "PytorchGELUTanh"})
 
 
 class Unsupported(TypeError):
@@ -146,11 +144,10 @@ def _layer(index: int, layer: nn.Module, family: Family, rope_keys: list[str | N
     if qkv is None or gate_up is None:
         raise refuse("its projections are not fused into one prepacked or narrow GEMM")
     act = getattr(mlp, family.activation, None)
-    activation = None
-    if type(act).__name__ in _GELU_TANH or (isinstance(act, nn.GELU) and act.approximate == "tanh"):
-        activation = act
-    elif type(act).__name__ not in _SILU:
+    kind = activation_kind(act)
+    if kind is None:
         raise refuse(f"activation {type(act).__name__} is neither silu nor tanh-approximated gelu")
+    activation = act if kind == "gelu_tanh" else None
     rope_key = getattr(attn, "layer_type", None) if rope_keys != [None] else None
     if rope_key not in rope_keys:
         raise refuse(f"no rotary table for its layer type {rope_key!r}")
