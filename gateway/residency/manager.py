@@ -43,7 +43,7 @@ from gateway.residency.footprint import (
     measured_growth,
     parked_estimate,
 )
-from gateway.residency.plan import Eviction, Need, Resident, plan_room
+from gateway.residency.plan import Eviction, Need, Resident, growth_reserve, plan_room
 from gateway.router import ModelRoute, Router
 
 log = logging.getLogger("modelyard.residency")
@@ -390,8 +390,7 @@ class ResidencyManager:
         resident = self._resident(name)
         others = self._residents(but=name)
         held = sum(r.held_bytes for r in others) + (resident.parked_bytes if resident else 0)
-        growth = max([r.growth_bytes for r in others if r.awake], default=0)
-        return "park" if held + growth <= self.budget_bytes else "stop"
+        return "park" if held + growth_reserve(others) <= self.budget_bytes else "stop"
 
     async def _measure_again(self) -> None:
         """Every ready replica measured again, then room made (idle models parked or stopped, as

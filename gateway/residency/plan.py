@@ -62,6 +62,13 @@ class Need:
     growth_bytes: int = 0  # rule 6
 
 
+def growth_reserve(residents: list[Resident], need: Need | None = None) -> int:
+    """What rule 6 reserves for structured outputs' growth: the largest among the awake
+    ``residents`` and the newcomer's ``need``."""
+    growth = (r.growth_bytes for r in residents if r.awake)
+    return max(need.growth_bytes if need else 0, *growth, 0)
+
+
 def plan_room(
     need: Need,
     budget_bytes: int,
@@ -75,8 +82,7 @@ def plan_room(
     actions: dict[str, Literal["park", "stop"]] = {}
 
     def fits() -> bool:
-        awake = (r.growth_bytes for r in residents if r.awake and r.name not in actions)
-        growth = max(need.growth_bytes, *awake, 0)
+        growth = growth_reserve([r for r in residents if r.name not in actions], need)
         return cpu + growth <= budget_bytes and gpu <= budget_gpu + 1e-9
 
     order = sorted((r for r in residents if r.evictable), key=lambda r: (r.priority, r.last_used))

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,20 +146,23 @@ class Gateway:
     ) -> int:
         """``footprint[key]`` of ``name`` once it differs from ``before`` (the gateway measures
         after the transition, in the background), or what it is after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = (await self.models())[name]["footprint"][key]
-            if value != before or time.monotonic() >= deadline:
-                return value
-            await asyncio.sleep(0.2)
+        footprint = await self._footprint_once(name, lambda fp: fp[key] != before, timeout)
+        return footprint[key]
 
     async def measured_footprint(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
         """``name``'s footprint once the gateway has measured it (it does so in the background
         after the replica is ready), or as it is after ``timeout``."""
+        return await self._footprint_once(name, lambda fp: fp["source"] == "measured", timeout)
+
+    async def _footprint_once(
+        self, name: str, done: Callable[[dict[str, Any]], bool], timeout: float
+    ) -> dict[str, Any]:
+        """``name``'s footprint once ``done`` holds for it, polled every 0.2 s, or as it is after
+        ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
             footprint = (await self.models())[name]["footprint"]
-            if footprint["source"] == "measured" or time.monotonic() >= deadline:
+            if done(footprint) or time.monotonic() >= deadline:
                 return footprint
             await asyncio.sleep(0.2)
 

@@ -441,6 +441,23 @@ async def test_structured_growth_is_reserved_once_and_what_grew_makes_room(
         )
 
 
+async def small_copies_with_two_awake(pooled, tmp_path, *engine_args: str):
+    """Copies "a", "b", "c" of a small model (300 MiB awake, 100 MiB parked, estimated at 600 MiB)
+    in a 1000 MiB budget, "a" then "b" loaded and measured: the gateway and its URL."""
+    small = ["--rss-bytes", str(300 * MiB), "--parked-rss-bytes", str(100 * MiB), *engine_args]
+    models = [
+        {"name": name, "residency": "on_demand", "engine_args": small, "idle_ttl_s": 600,
+         "memory_estimate": "600MiB"}
+        for name in ("a", "b", "c")
+    ]  # fmt: skip
+    gateway, url, _ = await pooled(fleet(tmp_path, models, {"cpu_bytes": "1000MiB"}))
+    async with aiohttp.ClientSession() as session:
+        for name in ("a", "b"):
+            assert (await request(session, url, name))[0] == 200
+            await wait_for(lambda n=name: gateway.residency.models[n].footprint.measured, 5)
+    return gateway, url
+
+
 async def test_a_parked_floor_estimated_above_the_measured_footprint_is_not_counted_on(
     pooled, tmp_path
 ):
@@ -448,17 +465,8 @@ async def test_a_parked_floor_estimated_above_the_measured_footprint_is_not_coun
     # 600 MiB, engines that do not say what a park releases): the third copy in 1000 MiB stops
     # the least recent one; parking would free nothing as planned (and once counted the floor
     # above the awake footprint: both were stopped)
-    small = ["--rss-bytes", str(300 * MiB), "--parked-rss-bytes", str(100 * MiB)]
-    models = [
-        {"name": name, "residency": "on_demand", "engine_args": small, "idle_ttl_s": 600,
-         "memory_estimate": "600MiB"}
-        for name in ("a", "b", "c")
-    ]  # fmt: skip
-    gateway, url, _ = await pooled(fleet(tmp_path, models, {"cpu_bytes": "1000MiB"}))
+    gateway, url = await small_copies_with_two_awake(pooled, tmp_path)
     async with aiohttp.ClientSession() as session:
-        for name in ("a", "b"):
-            assert (await request(session, url, name))[0] == 200
-            await wait_for(lambda n=name: gateway.residency.models[n].footprint.measured, 5)
         assert (await request(session, url, "c"))[0] == 200
         assert states(gateway, "a") == [] and states(gateway, "b") == [S.READY]
 
@@ -466,18 +474,10 @@ async def test_a_parked_floor_estimated_above_the_measured_footprint_is_not_coun
 async def test_a_floor_never_measured_is_estimated_from_what_a_park_releases(pooled, tmp_path):
     # as above, but the engines report 200 MiB of weights: parked, they will hold ~100 MiB, so
     # the least recent one is parked, not stopped
-    small = ["--rss-bytes", str(300 * MiB), "--parked-rss-bytes", str(100 * MiB),
-             "--weights-bytes", str(200 * MiB)]  # fmt: skip
-    models = [
-        {"name": name, "residency": "on_demand", "engine_args": small, "idle_ttl_s": 600,
-         "memory_estimate": "600MiB"}
-        for name in ("a", "b", "c")
-    ]  # fmt: skip
-    gateway, url, _ = await pooled(fleet(tmp_path, models, {"cpu_bytes": "1000MiB"}))
+    gateway, url = await small_copies_with_two_awake(
+        pooled, tmp_path, "--weights-bytes", str(200 * MiB)
+    )
+    assert gateway.residency.models["a"].footprint.parked_bytes == 100 * MiB
     async with aiohttp.ClientSession() as session:
-        for name in ("a", "b"):
-            assert (await request(session, url, name))[0] == 200
-            await wait_for(lambda n=name: gateway.residency.models[n].footprint.measured, 5)
-        assert gateway.residency.models["a"].footprint.parked_bytes == 100 * MiB
         assert (await request(session, url, "c"))[0] == 200
         assert states(gateway, "a") == [S.PARKED] and states(gateway, "b") == [S.READY]
