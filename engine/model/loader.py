@@ -39,6 +39,7 @@ from engine.model.cpu.gguf_weights import GgufWeights
 from engine.model.cpu.linear import native_bf16
 from engine.model.cpu.narrow_weights import check_quantization, narrow_mode
 from engine.model.gguf_reads import fast_gguf_reads
+from engine.model.kept_tokenizers import kept_tokenizer, shareable_tokenizer
 from engine.model.model_source import split_source
 
 if TYPE_CHECKING:  # transformers' modeling imports torch._dynamo: only where a model runs it
@@ -106,13 +107,23 @@ def _read_index(index: Path) -> str | None:
         return None
 
 
-def converted_gguf_dir(gguf_path: Path) -> Path:
-    """The cached config and tokenizer of ``gguf_path``, converting (once) when missing."""
+def known_gguf_dir(gguf_path: Path) -> Path | None:
+    """The cached config and tokenizer of ``gguf_path`` if this file (its path, size and mtime)
+    was converted before; None otherwise. Hashes nothing."""
     root = cache_root()
-    index = root / "gguf-index" / f"{_stat_key(gguf_path)}.json"
-    sha = _read_index(index)
+    sha = _read_index(root / "gguf-index" / f"{_stat_key(gguf_path)}.json")
     if sha is not None and (root / "gguf-metadata" / sha / "config.json").is_file():
         return root / "gguf-metadata" / sha
+    return None
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """The cached config and tokenizer of ``gguf_path``, converting (once) when missing."""
+    known = known_gguf_dir(gguf_path)
+    if known is not None:
+        return known
+    root = cache_root()
+    index = root / "gguf-index" / f"{_stat_key(gguf_path)}.json"
     started = time.monotonic()
     sha = file_sha256(gguf_path)
     target = root / "gguf-metadata" / sha
@@ -220,40 +231,6 @@ def _check_causal_lm(hf_config: PretrainedConfig) -> None:
         )
 
 
-def converted_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
-    """The tokenizer _convert_gguf saved in ``folder``, built by the Rust library straight from
-    its tokenizer.json. AutoTokenizer would parse that JSON in Python too and rebuild the Rust
-    tokenizer from its vocabulary through the family's class (GemmaTokenizer, ...), whose code
-    only runs at such a construction: what it built is what the file holds. Seconds less for a
-    large vocabulary (docs/PERFORMANCE.md#model-loading)."""
-    settings = json.loads((folder / "tokenizer_config.json").read_text())
-    template = folder / "chat_template.jinja"
-    if template.is_file():
-        settings["chat_template"] = template.read_text()
-    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **settings)
-
-
-def shareable_tokenizer(tokenizer: Any) -> Any:
-    """``tokenizer`` as the engine keeps it: shared by its threads (detokenising, templates and
-    tokenising, the event loop) instead of a copy each (a copy of Gemma's 262,144-token tokenizer
-    took 3.5 s and ~400 MB), and without the vocabulary and merges that transformers' model
-    tokenizer classes keep as Python objects after building the Rust tokenizer from them (170 MB
-    for Gemma's; the Rust tokenizer holds its own). The Rust tokenizer refuses concurrent calls
-    only when one of them changes it ("Already borrowed"): transformers does that only to switch
-    truncation or padding to what a call asks, so both start (and, as the engine never asks for
-    either, stay) off."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        if backend.truncation is not None:
-            backend.no_truncation()
-        if backend.padding is not None:
-            backend.no_padding()
-        for construction_only in ("_vocab", "_merges"):
-            if construction_only in vars(tokenizer):
-                delattr(tokenizer, construction_only)
-    return tokenizer
-
-
 def _eos_ids(tokenizer: object, model: PreTrainedModel) -> set[int]:
     ids: set[int] = set()
     candidates = [
@@ -320,11 +297,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     gguf_weights = None
     try:
         with startup.phase("tokenizer"):
-            tokenizer = shareable_tokenizer(
-                converted_tokenizer(source)
-                if gguf_path is not None
-                else AutoTokenizer.from_pretrained(source, local_files_only=True)
-            )
+            tokenizer = _tokenizer(source, gguf_path is not None)
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {str(source)!r}: {exc}") from exc
     slot = None
@@ -374,6 +347,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
         gguf=gguf_weights,
         snapshot=slot,
     )
+
+
+def _tokenizer(source: Path, converted: bool) -> Any:
+    """The model's tokenizer: a converted GGUF's as this process keeps it (built already where
+    an engine template forked this engine), else the folder's through transformers."""
+    if not converted:
+        return shareable_tokenizer(AutoTokenizer.from_pretrained(source, local_files_only=True))
+    tokenizer, kept = kept_tokenizer(source)
+    if kept:
+        log.info("tokenizer: the one the engine template built, shared with it")
+    return tokenizer
 
 
 def _describe(model: nn.Module, eos_token_ids: set[int]) -> skeleton.Snapshot | None:

@@ -65,7 +65,7 @@ class AsyncEngine:
         )
         self.core: CoreLike | None = None
         # The core's tokenizer, shared by the engine thread (detokenising), the event loop and the
-        # prompt thread (templates, tokenising): see engine.model.loader.shareable_tokenizer.
+        # prompt thread (templates, tokenising): see kept_tokenizers.shareable_tokenizer.
         self.tokenizer: Any = None
         self._prompt_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-prompts")
         self.max_model_len = 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -176,6 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, options, text in flags:
         p.add_argument(flag, help=text, **options)
     return p
+
+
+def model_flags(argv: list[str]) -> tuple[str, str | None] | None:
+    """An engine command line's --model and --gguf-file, or None where it does not parse: what an
+    engine template reads of the engine it is about to fork (which reports any error itself)."""
+    quiet = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(quiet), contextlib.redirect_stdout(quiet):
+            args, _ = build_parser().parse_known_args(argv)
+    except SystemExit:
+        return None
+    return args.model, args.gguf_file
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptions]:

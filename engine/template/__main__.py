@@ -27,9 +27,12 @@ configure([SPIN_WAIT_FLAG] if options.spin_wait else [], os.environ)
 decline_triton_without_gpu(os.environ)
 
 from engine.template.preload import preload  # noqa: E402
-from engine.template.server import TemplateServer  # noqa: E402
 
-code = TemplateServer(options.socket_fd, preload()).run()
+preloaded = preload()  # first: the server's imports (the engine's loader ...) are on its list
+from engine.template.server import TemplateServer  # noqa: E402
+from engine.template.tokenizers import TokenizerShelf  # noqa: E402
+
+code = TemplateServer(options.socket_fd, preloaded, TokenizerShelf()).run()
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(code)  # no interpreter teardown: nothing of it is needed, and some extensions complain

@@ -12,20 +12,29 @@ import select
 import signal
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.template_wire import EXITED, FORK, FORKED, READY, WireError, decode, encode, receive
 from common.template_wire import send as send_packet
 from engine.template.child import become_engine
 from engine.template.preload import Preloaded, thread_problem
 
+if TYPE_CHECKING:  # it imports the engine's loader: a template has it preloaded, a test's not
+    from engine.template.tokenizers import TokenizerShelf
+
 
 class TemplateServer:
-    def __init__(self, socket_fd: int, preloaded: Preloaded) -> None:
+    """``tokenizers``: where the engines' tokenizers are built before they fork (None: each
+    engine builds its own)."""
+
+    def __init__(
+        self, socket_fd: int, preloaded: Preloaded, tokenizers: TokenizerShelf | None = None
+    ) -> None:
         self.sock = socket.socket(fileno=socket_fd)
         self.sock.setblocking(True)
         self.preloaded = preloaded
         self.engines: set[int] = set()  # forked, not yet reaped
+        self.tokenizers = tokenizers
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -77,7 +86,7 @@ class TemplateServer:
     def _fork(self, message: dict[str, Any], fds: list[int]) -> None:
         request = message.get("id")
         argv, cwd = message.get("argv"), message.get("cwd")
-        problem = None
+        problem, tokenizer = None, None
         if len(fds) != 1:
             problem = "a fork request carries the engine's output descriptor"
         elif not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
@@ -85,6 +94,10 @@ class TemplateServer:
         elif cwd is not None and not isinstance(cwd, str):
             problem = "cwd must be a string"
         else:
+            if self.tokenizers is not None:
+                tokenizer, line = self.tokenizers.prepare(argv, cwd)
+                if line:
+                    say(line)
             problem = thread_problem()  # fork copies one thread: the others' locks stay held
         if problem:
             _close(fds)
@@ -104,6 +117,8 @@ class TemplateServer:
             become_engine(argv, cwd, fds[0], inherited, parent=template)
         _close(fds)
         self.engines.add(pid)
+        if self.tokenizers is not None:
+            self.tokenizers.forked(pid, tokenizer)
         self._send(FORKED, id=request, pid=pid)
 
     def _reap(self) -> None:
@@ -116,6 +131,8 @@ class TemplateServer:
                 return
             self.engines.discard(pid)
             self._send(EXITED, pid=pid, status=status)
+            for line in self.tokenizers.exited(pid) if self.tokenizers is not None else ():
+                say(line)
 
     def _drain_wakeups(self) -> None:
         with contextlib.suppress(BlockingIOError):

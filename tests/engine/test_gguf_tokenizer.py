@@ -20,7 +20,7 @@ from tokenizers import SentencePieceBPETokenizer
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import generate_merges
 
-from engine.model import loader
+from engine.model import kept_tokenizers, loader
 from engine.model.cpu.gguf_file import GgufFile
 from engine.model.gguf_merges import derived_merges
 from engine.model.gguf_reads import fast_gguf_reads
@@ -206,7 +206,7 @@ def test_the_converted_tokenizer_encodes_as_transformers(
     """Equal files make equal tokenizers; this checks what the engine loads from them on text
     that exercises each part: special tokens, byte fallback, runs of spaces, digits, emoji."""
     ours, _, reference = conversions.of(name)
-    built = loader.converted_tokenizer(ours)
+    built = kept_tokenizers.converted_tokenizer(ours)
     specials = "".join(reference.all_special_tokens[:8])
     texts = [
         (Path(__file__).resolve().parents[1] / "data" / "apache-2.0.txt").read_text()[:2000],

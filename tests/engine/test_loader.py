@@ -16,7 +16,7 @@ from transformers import T5Config, ViTConfig
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
-from engine.model import loader
+from engine.model import kept_tokenizers, loader
 from engine.model.loader import converted_gguf_dir, load_model
 from tests.conftest import GEMMA_GGUF
 
@@ -174,7 +174,7 @@ def test_the_tokenizer_is_shared_by_threads_without_copies(tiny_llama_dir: Path)
     saved = AutoTokenizer.from_pretrained(tiny_llama_dir)
     saved.backend_tokenizer.enable_truncation(8)
     saved.backend_tokenizer.enable_padding(length=16)
-    shared = loader.shareable_tokenizer(saved)
+    shared = kept_tokenizers.shareable_tokenizer(saved)
     assert shared.backend_tokenizer.truncation is None and shared.backend_tokenizer.padding is None
     tokenizer = load_model(EngineConfig(model=str(tiny_llama_dir), num_threads=1)).tokenizer
     assert tokenizer.backend_tokenizer.truncation is None
@@ -246,7 +246,8 @@ def test_a_converted_tokenizer_behaves_as_autotokenizer_builds_it(
     if not path.exists():
         pytest.skip(f"{path} not fetched")
     folder = converted_gguf_dir(path)
-    built, reference = loader.converted_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    built = kept_tokenizers.converted_tokenizer(folder)
+    reference = AutoTokenizer.from_pretrained(folder)
     specials = "".join(reference.all_special_tokens)
     text = (Path(__file__).resolve().parents[1] / "data" / "apache-2.0.txt").read_text()[:3000]
     texts = [text, f"{specials} mixed {specials}x", "  tabs\t\tand\n\nnewlines  ", "日本語 🤖 ünï"]

@@ -206,10 +206,13 @@ async def test_templates_follow_the_wait_policies_in_use_and_the_switch(light_te
 
 @linux_only
 async def test_a_forked_engine_killed_while_starting_restarts_forked_and_answers_without_imports(
-    engines, tiny_llama_dir, spawns
+    engines, smollm2_gguf, spawns
 ):
+    from engine.model.loader import converted_gguf_dir  # not at the top: see the module's end
+
+    converted_gguf_dir(smollm2_gguf)  # seen before: the template builds its tokenizer
     gateway, url = await engines({"gateway": {"watch_config": False},
-                                  "models": [real_model("od", tiny_llama_dir)]})  # fmt: skip
+                                  "models": [real_model("od", smollm2_gguf)]})  # fmt: skip
     seen = transitions(gateway)
     client = gateway.pool.client
     ready = client.ready
@@ -234,8 +237,12 @@ async def test_a_forked_engine_killed_while_starting_restarts_forked_and_answers
         assert isinstance(engine, ForkedEngine) and engine.pid == spawns[1]
         async with session.get(replica.url + "/status") as resp:
             engine_status = await resp.json()
-    # Started at the fork: its imports were the template's.
+    # Started at the fork: its imports were the template's, and so was its tokenizer, built
+    # once for both engines.
     assert engine_status["startup_s"]["imports and http server"] < 1.0
+    assert any("the one the engine template built" in line for line in replica.log.tail(200))
+    template_log = gateway.pool.templates.logs.template("spin-wait").tail(200)
+    assert sum("built for its engines" in line for line in template_log) == 1, template_log
     memory = engine_status["memory"]
     assert 0 < memory["pss_bytes"] < memory["rss_bytes"]  # it shares the template's pages
     (template,) = gateway.pool.templates.describe()

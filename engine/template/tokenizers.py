@@ -1,0 +1,130 @@
+"""The tokenizers an engine template builds for the engines it forks.
+
+Before it forks an engine of a GGUF converted before, the template builds that file's tokenizer
+(engine.model.kept_tokenizers): the engine finds it built, skips the 1-1.5 s Gemma 3's takes,
+and every engine of the file shares the template's copy (~90 MiB for Gemma's) instead of holding
+its own. A tokenizer stays while an engine forked with it lives. Once none does, it stays while
+the unused ones' memory is within UNUSED_BYTES, least recently used dropped first: the next start
+of a model that was stopped (evicted, idle, crashed) finds it too, and the template's memory,
+which the gateway counts against its budget, stays bounded.
+
+A file never converted (its first start converts it, in the engine) and a model folder's
+tokenizer (AutoTokenizer, not a converted tokenizer.json) are left to the engine.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+from engine.model.host_memory import trim_heap
+from engine.model.kept_tokenizers import forget, kept_tokenizer
+from engine.model.loader import known_gguf_dir
+from engine.model.model_source import split_source
+from engine.serving.cli import model_flags
+
+UNUSED_BYTES = 256 * 2**20
+
+
+@dataclass
+class _Shelved:
+    nbytes: int  # what building it added to the template's resident memory
+    engines: set[int] = field(default_factory=set)  # live engines forked with it
+    last_used: float = 0.0
+
+
+class TokenizerShelf:
+    def __init__(self, unused_bytes: int = UNUSED_BYTES) -> None:
+        self.unused_bytes = unused_bytes
+        self._shelved: dict[Path, _Shelved] = {}
+        self._engines: dict[int, Path] = {}
+
+    def prepare(self, argv: list[str], cwd: str | None) -> tuple[Path | None, str | None]:
+        """Builds (or finds) the tokenizer of the engine ``argv`` starts; its folder (None where
+        the engine builds its own) and a line for the template's log, if any."""
+        folder = _converted_folder(argv, cwd)
+        if folder is None:
+            return None, None
+        if folder in self._shelved:
+            self._shelved[folder].last_used = time.monotonic()
+            return folder, None
+        began, before = time.monotonic(), _resident_bytes()
+        try:
+            kept_tokenizer(folder)
+        except (OSError, ValueError, KeyError, RuntimeError) as error:
+            return None, f"tokenizer in {folder} not built (its engine builds it): {error}"
+        gc.collect()  # what building left for the collector, before the engines fork
+        trim_heap()
+        nbytes = max(0, _resident_bytes() - before)
+        self._shelved[folder] = _Shelved(nbytes, last_used=time.monotonic())
+        took = time.monotonic() - began
+        return folder, f"tokenizer in {folder} built for its engines: {took:.2f}s, {_mib(nbytes)}"
+
+    def forked(self, pid: int, folder: Path | None) -> None:
+        if folder is not None and folder in self._shelved:
+            self._shelved[folder].engines.add(pid)
+            self._engines[pid] = folder
+
+    def exited(self, pid: int) -> list[str]:
+        """Forgets the engine ``pid``; drops what unused tokenizers exceed the bound, and says
+        which."""
+        folder = self._engines.pop(pid, None)
+        if folder is not None:
+            shelved = self._shelved[folder]
+            shelved.engines.discard(pid)
+            shelved.last_used = time.monotonic()
+        return self.drop_unused()
+
+    def drop_unused(self) -> list[str]:
+        """Drops the least recently used tokenizers no engine uses until the unused ones fit in
+        ``unused_bytes``; a line for each."""
+        unused = sorted(
+            (shelved.last_used, folder)
+            for folder, shelved in self._shelved.items()
+            if not shelved.engines
+        )
+        held = sum(self._shelved[folder].nbytes for _, folder in unused)
+        dropped = []
+        for _, folder in unused:
+            if held <= self.unused_bytes:
+                break
+            held -= self._shelved.pop(folder).nbytes
+            forget(folder)
+            dropped.append(f"tokenizer in {folder} dropped: no engine uses it")
+        if dropped:
+            gc.collect()
+            trim_heap()
+        return dropped
+
+    def held_bytes(self) -> int:
+        return sum(shelved.nbytes for shelved in self._shelved.values())
+
+
+def _converted_folder(argv: list[str], cwd: str | None) -> Path | None:
+    """The converted GGUF folder of the engine ``argv`` starts in ``cwd``; None where it names
+    no GGUF, or one never converted."""
+    flags = model_flags(argv)
+    if flags is None:
+        return None
+    model, gguf_file = flags
+    path = Path(model).expanduser()
+    if cwd and not path.is_absolute():
+        path = Path(cwd) / path
+    try:
+        folder, name = split_source(str(path), gguf_file)
+        return known_gguf_dir(folder / name) if name else None
+    except (ModelLoadError, OSError):
+        return None
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.0f} MiB"
