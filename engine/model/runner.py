@@ -98,8 +98,12 @@ class ModelRunner:
         with startup.phase("kv cache"):  # committed now: the first touch of its pages
             self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
         # sleep and wake: every object that holds weights is a root of the parker's walk
+        narrow = self.cpu.narrow if self.cpu is not None else None
         self.parker = WeightParker(
-            [self.model, self.lean, self.cpu], self.device, cache_root() / "park"
+            [self.model, self.lean, self.cpu],
+            self.device,
+            cache_root() / "park",
+            narrow.mapped if narrow is not None else None,
         )
         self.sleeping = False
         self._park_record = ParkRecord()

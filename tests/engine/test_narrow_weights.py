@@ -162,19 +162,23 @@ def test_narrow_weights_are_cached_per_checkpoint_and_mode(
 
 
 def _narrow_report(config: EngineConfig):
-    """A load's narrow-weight report, and the packed weights it made, by buffer name."""
+    """A load's narrow-weight report, and the packed weights it made, by buffer name (each a
+    view of the packed cache's mapped file)."""
     loaded = load_model(config)
     fast = prepare_cpu_fast_path(loaded, config)
-    packed = {n: b.clone() for n, b in loaded.model.named_buffers() if n.endswith("packed")}
-    return fast.narrow, packed
+    buffers = {n: b for n, b in loaded.model.named_buffers() if n.endswith("packed")}
+    assert fast.narrow.mapped is not None
+    assert all(fast.narrow.mapped.holds(b.data_ptr()) for b in buffers.values())
+    return fast.narrow, {n: b.clone() for n, b in buffers.items()}
 
 
 def _loaded_twice_the_same(config: EngineConfig):
-    """Loads ``config`` twice: the first misses the cache, the second reads it and packs the very
-    same weights from the same sources; the first's report."""
+    """Loads ``config`` twice: the first misses the cache, the second reads it and maps the very
+    same packed weights; the first's report."""
     first, first_packed = _narrow_report(config)
     second, second_packed = _narrow_report(config)
     assert not first.cached and second.cached
+    assert first.mapped.entries == second.mapped.entries
     assert (second.native, second.quantized) == (first.native, first.quantized)
     assert first_packed.keys() == second_packed.keys() and first_packed
     assert all(torch.equal(first_packed[n], second_packed[n]) for n in first_packed)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.model.cpu.kernels import quant_gemm
+from engine.model.cpu.packed_cache import PackedSlots
 from engine.model.cpu.quant_formats import QuantizedWeight
 from engine.model.cpu.threads import all_threads
 
@@ -23,7 +24,8 @@ from engine.model.cpu.threads import all_threads
 class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` with W a QuantizedWeight; activations fp32 (any leading shape).
     ``paired``: the weight is an MLP's [gate; up] (rows [0, N/2) gate), which
-    `engine.model.cpu.linear.StepGemms` can then run with the activation inside the GEMM."""
+    `engine.model.cpu.linear.StepGemms` can then run with the activation inside the GEMM.
+    ``slots``: where the load's packed weights come from (the packed cache's file)."""
 
     def __init__(
         self,
@@ -31,11 +33,13 @@ class QuantizedLinear(nn.Module):
         bias: torch.Tensor | None,
         lib: ctypes.CDLL,
         paired: bool = False,
+        slots: PackedSlots | None = None,
     ) -> None:
         super().__init__()
         self.fmt = weight.fmt
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.register_buffer("packed", quant_gemm.pack(lib, weight), persistent=False)
+        packed = quant_gemm.pack(lib, weight) if slots is None else slots.pack(self, weight)
+        self.register_buffer("packed", packed, persistent=False)
         self.register_buffer(
             "bias", None if bias is None else bias.detach().float().contiguous(), persistent=False
         )

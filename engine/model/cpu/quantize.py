@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.model.cpu import narrow_cache
+from engine.model.cpu import narrow_cache, packed_cache
 from engine.model.cpu.linear import fuse_groups, own_gate_up, stacked_bias
 from engine.model.cpu.narrow_cache import Choice
+from engine.model.cpu.packed_cache import MappedFile, PackedSlots
 from engine.model.cpu.quant_formats import (
     NARROWER,
     QuantizedWeight,
@@ -50,6 +51,8 @@ class QuantizedModel:
     native: int = 0  # weights loaded from the GGUF's own blocks
     quantized: int = 0  # weights quantised from fp32 at load
     cached: bool = False  # read from the narrow-weight cache
+    # the packed cache's file the QuantizedLinears' weights are views of (None: their own)
+    mapped: MappedFile | None = None
     bytes_by_format: dict[str, int] = field(default_factory=dict)
 
     def count(self, weight: QuantizedWeight, native: bool) -> None:
@@ -114,9 +117,11 @@ def quantize_model(
     taking a weight's file blocks from ``native`` where it gives them; returns what was done.
     Linears left dense stay nn.Linear (the caller prepacks them). With ``cache``
     (engine.model.cpu.narrow_cache.cache_path), the choices come from that file when it exists
-    and go into it when not."""
+    and go into it when not, and the packed weights are views of their cache's file
+    (engine.model.cpu.packed_cache), written when missing."""
     cached = narrow_cache.load(cache) if cache else None
     choose = _Quantizer(mode, native, cached)
+    slots = PackedSlots(lib, packed_cache.cache_path(cache, lib) if cache else None)
     names: dict[int, list[str]] = {}  # a tied parameter has several names
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -133,7 +138,7 @@ def quantize_model(
             return None
         # parts of mixed formats (a Q4_K_M file's Q4_K q/k beside a Q6_K v) fuse in int8k: the
         # one-call decode step runs fused projections only
-        return QuantizedLinear(concatenate(parts), stacked_bias(linears), lib, paired)
+        return QuantizedLinear(concatenate(parts), stacked_bias(linears), lib, paired, slots)
 
     embedding = model.get_input_embeddings()
     tied = id(embedding.weight) == id(model.get_output_embeddings().weight)
@@ -147,7 +152,8 @@ def quantize_model(
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.Linear and (weight := weight_of(child)) is not None:
                 paired = own_gate_up(child_name, child)
-                setattr(parent, child_name, QuantizedLinear(weight, child.bias, lib, paired))
+                narrow = QuantizedLinear(weight, child.bias, lib, paired, slots)
+                setattr(parent, child_name, narrow)
     narrow_table, head = model.get_input_embeddings(), model.get_output_embeddings()
     if tied and isinstance(narrow_table, QuantizedEmbedding) and isinstance(head, QuantizedLinear):
         narrow_table.tie_to(head)
@@ -159,6 +165,7 @@ def quantize_model(
     if cache and cached is None:
         narrow_cache.save(cache, choose.choices)
     choose.report.cached = cached is not None
+    choose.report.mapped = slots.finish()
     return choose.report
 
 

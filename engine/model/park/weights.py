@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.model.cpu.huge_pages import HugePageArena
 from engine.model.cpu.linear import PrepackedLinear
+from engine.model.cpu.packed_cache import MappedFile
 from engine.model.host_memory import raw_bytes, release_pages
 from engine.model.park.stores import aligned_offsets, store_for
 from engine.model.park.tensor_walk import Extent, repoint, repoint_empty, walk
@@ -47,12 +48,21 @@ class Moved:
 class WeightParker:
     """Parks and wakes the weights of the objects in ``roots`` (modules and the engine's objects
     that hold weights), which live on ``device``; parked bytes go to a file under ``folder``
-    (CPU) or pinned host memory (CUDA)."""
+    (CPU) or pinned host memory (CUDA). Weights that are views of a ``mapped`` file (the packed
+    cache's) are home already: a park only drops the process's pages of it, a wake nothing (the
+    first step faults them back from the page cache)."""
 
-    def __init__(self, roots: list[object], device: torch.device, folder: Path) -> None:
+    def __init__(
+        self,
+        roots: list[object],
+        device: torch.device,
+        folder: Path,
+        mapped: MappedFile | None = None,
+    ) -> None:
         self._roots = roots
         self._device = device
         self._store = store_for(device, folder)
+        self._mapped = mapped
         # what the last wake restored: its address -> (bytes, home in the store)
         self._awake: dict[int, tuple[int, torch.Tensor]] = {}
         # oneDNN weights saved so far: their module -> (the opaque tensor, its bytes' home)
@@ -75,7 +85,7 @@ class WeightParker:
         if self.parked:
             return Moved(0, 0, 0)
         found = walk(self._roots, self._device)
-        moving = [e for e in found.extents if not self._store.holds(e.address)]
+        moving = [e for e in found.extents if not self._at_home(e.address)]
         homes = {id(e): self._known_home(e) for e in moving}
         new = [e for e in moving if homes[id(e)] is None]
         opaque = self._onednn_weights()
@@ -93,7 +103,11 @@ class WeightParker:
         for _, packed in opaque:
             raw = _raw(packed)
             release_pages(raw.data_ptr(), raw.numel())
-        resident = sum(e.nbytes for e in moving) + sum(_raw(p).numel() for _, p in opaque)
+        mapped = [e for e in found.extents if self._in_mapped(e.address)]
+        if self._mapped is not None:
+            self._mapped.release()
+        resident = sum(e.nbytes for e in (*moving, *mapped))
+        resident += sum(_raw(p).numel() for _, p in opaque)
         written = sum(s.numel() for s in sources)
         self._awake.clear()
         self.parked = True
@@ -118,6 +132,13 @@ class WeightParker:
         self.parked = False
         copied = sum(d.numel() for d in dests) + sum(h.numel() for _, h in self._opaque.values())
         return Moved(0, copied, copied)
+
+    def _at_home(self, address: int) -> bool:
+        """Whether the bytes at ``address`` are in the store or the mapped file already."""
+        return self._store.holds(address) or self._in_mapped(address)
+
+    def _in_mapped(self, address: int) -> bool:
+        return self._mapped is not None and self._mapped.holds(address)
 
     def _known_home(self, extent: Extent) -> torch.Tensor | None:
         """The home of an extent the last wake restored, unchanged since (same place, size)."""

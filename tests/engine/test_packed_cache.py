@@ -1,0 +1,156 @@
+"""The packed cache (engine/model/cpu/packed_cache.py): a load's packed weights written once and
+mapped by every later load, byte for byte what packing gives; a stale or broken file packed
+again and rewritten; a park that drops the mapped pages without writing them anywhere; and two
+processes mapping one file sharing its pages. Whole loads: tests/engine/test_narrow_weights.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine.model.cpu.kernels import quant_gemm
+from engine.model.cpu.packed_cache import PackedSlots, open_mapped
+from engine.model.cpu.quant_formats import QuantizedWeight, quantize
+from engine.model.cpu.quant_linear import QuantizedLinear
+from engine.model.park.weights import WeightParker
+
+pytestmark = pytest.mark.skipif(quant_gemm.library() is None, reason="no C compiler here")
+CPU = torch.device("cpu")
+SHAPES = [(256, 128, "int8"), (1024, 256, "int4"), (512, 512, "int8")]  # 520 KiB packed
+
+
+def _weights(shapes=SHAPES) -> list[QuantizedWeight]:
+    generator = torch.Generator().manual_seed(0)
+    return [quantize(torch.randn(n, k, generator=generator), fmt) for n, k, fmt in shapes]
+
+
+def _load(path: Path, weights: list[QuantizedWeight]) -> tuple[nn.ModuleList, PackedSlots]:
+    lib = quant_gemm.library()
+    slots = PackedSlots(lib, path)
+    model = nn.ModuleList(QuantizedLinear(w, None, lib, slots=slots) for w in weights)
+    return model, slots
+
+
+def _mapped_rss_kib(address: int) -> int:
+    """Rss of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for at, line in enumerate(lines):
+        if line.split("-")[0] == f"{address:x}":
+            return next(int(r.split()[1]) for r in lines[at + 1 :] if r.startswith("Rss:"))
+    raise AssertionError("no such mapping")
+
+
+def test_a_later_load_maps_the_bytes_the_first_packed(tmp_path, monkeypatch):
+    path = tmp_path / "packed" / "w.bin"
+    weights = _weights()
+    expected = [quant_gemm.pack(quant_gemm.library(), w) for w in weights]
+    first, slots = _load(path, weights)
+    mapped = slots.finish()
+    assert mapped is not None and path.is_file()
+    for module, packed in zip(first, expected, strict=True):  # the first load's now views too
+        assert mapped.holds(module.packed.data_ptr()) and torch.equal(module.packed, packed)
+
+    def no_packing(*_):
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(quant_gemm, "pack", no_packing)
+    second, slots = _load(path, weights)
+    mapped = slots.finish()
+    assert mapped is not None and slots.path == path
+    x = torch.randn(3, 128)
+    for module, packed in zip(second, expected, strict=True):
+        assert mapped.holds(module.packed.data_ptr()) and module.packed.data_ptr() % 4096 == 0
+        assert torch.equal(module.packed, packed)
+    assert torch.equal(second[0](x), first[0](x))
+
+
+def test_a_file_that_does_not_match_the_load_is_packed_again_and_rewritten(tmp_path):
+    path = tmp_path / "w.bin"
+    _, slots = _load(path, _weights())
+    slots.finish()
+    changed = [(256, 128, "int8"), (1024, 256, "int8"), (512, 512, "int8")]  # the 2nd's format
+    model, slots = _load(path, _weights(changed))
+    assert [slots.mapped.holds(m.packed.data_ptr()) for m in model] == [True, False, True]
+    mapped = slots.finish()
+    assert mapped is not None and all(mapped.holds(m.packed.data_ptr()) for m in model)
+    assert [e[0] for e in open_mapped(path).entries] == ["int8"] * 3
+    _, slots = _load(path, _weights(changed[:2]))  # an entry too many: written again
+    assert slots.finish() is not None and len(open_mapped(path).entries) == 2
+
+
+@pytest.mark.parametrize("damage", ["cut", "magic", "offset"])
+def test_a_broken_file_is_ignored(tmp_path, damage):
+    path = tmp_path / "w.bin"
+    _, slots = _load(path, _weights())
+    slots.finish()
+    data = bytearray(path.read_bytes())
+    if damage == "cut":
+        data = data[: len(data) - 8192]
+    elif damage == "magic":
+        data[0] ^= 0xFF
+    else:
+        data = data.replace(b'"int8", 256, 128, 4096', b'"int8", 256, 128, 4097')
+    path.write_bytes(bytes(data))
+    assert open_mapped(path) is None
+    _, slots = _load(path, _weights())
+    assert slots.mapped is None and slots.finish() is not None  # packed, and written whole
+    assert open_mapped(path) is not None
+
+
+def test_a_park_drops_the_mapped_pages_and_writes_nothing(tmp_path):
+    model, slots = _load(tmp_path / "w.bin", _weights())
+    mapped = slots.finish()
+    x = torch.randn(2, 512)
+    before = [module(x[:, : module.in_features]) for module in model]
+    assert _mapped_rss_kib(mapped.address) > 0
+    parker = WeightParker([model], CPU, tmp_path / "park", mapped)
+    moved = parker.park()
+    assert moved.copied == 0  # nothing written: the file is their home
+    packed = sum(module.packed.numel() for module in model)
+    assert packed <= moved.resident_before <= mapped.nbytes  # extents span the page padding
+    assert _mapped_rss_kib(mapped.address) == 0
+    assert parker.wake().copied == 0
+    after = [module(x[:, : module.in_features]) for module in model]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(mapped.holds(module.packed.data_ptr()) for module in model)
+
+
+CHILD = """
+import sys
+from pathlib import Path
+from engine.model.cpu.packed_cache import open_mapped
+mapped = open_mapped(Path(sys.argv[1]))
+total = sum(int(mapped.view(i).sum()) for i in range(len(mapped.entries)))  # every page read
+lines = Path("/proc/self/smaps").read_text().splitlines()
+at = next(i for i, line in enumerate(lines) if line.split("-")[0] == f"{mapped.address:x}")
+fields = dict(r.split(":")[0:2] for r in lines[at + 1 : at + 20] if ":" in r)
+print(int(fields["Rss"].split()[0]), int(fields["Pss"].split()[0]), total)
+sys.stdout.flush()
+sys.stdin.read()  # holds its mapping until the parent has measured
+"""
+
+
+def test_two_processes_mapping_one_file_share_its_pages(tmp_path):
+    path = tmp_path / "w.bin"
+    _, slots = _load(path, _weights())
+    mapped = slots.finish()
+    total = sum(int(mapped.view(i).sum()) for i in range(len(mapped.entries)))
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        rss, pss, child_total = map(int, child.stdout.readline().split())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    assert child_total == total and rss * 1024 >= mapped.nbytes - 4096  # all but the header
+    assert pss <= rss * 0.6  # two processes map the same page-cache pages: half each
