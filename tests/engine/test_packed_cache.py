@@ -154,3 +154,16 @@ def test_two_processes_mapping_one_file_share_its_pages(tmp_path):
         child.wait(timeout=60)
     assert child_total == total and rss * 1024 >= mapped.nbytes - 4096  # all but the header
     assert pss <= rss * 0.6  # two processes map the same page-cache pages: half each
+
+
+def test_where_the_file_cannot_be_written_the_modules_keep_their_own(tmp_path, monkeypatch):
+    def disk_full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("engine.model.cpu.packed_cache._write", disk_full)
+    weights = _weights()
+    model, slots = _load(tmp_path / "w.bin", weights)
+    assert slots.finish() is None and not (tmp_path / "w.bin").exists()
+    lib = quant_gemm.library()
+    for module, weight in zip(model, weights, strict=True):
+        assert torch.equal(module.packed, quant_gemm.pack(lib, weight))
