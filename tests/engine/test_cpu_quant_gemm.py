@@ -220,6 +220,18 @@ def test_quantize_round_trips_within_half_a_step():
         assert (error <= step / 2 * (1 + 1e-5) + 1e-7).all(), fmt
 
 
+@pytest.mark.parametrize(("fmt", "levels"), [("int4k", 15), ("int5k", 31)])
+def test_super_scaled_quantisers_keep_the_offsets(fmt, levels):
+    """int4k and int5k quantise each block against its minimum (M <= 0 times a 6-bit mc): every
+    weight within a step of its block's range, the 6-bit rounding of sc and mc taking part of
+    that (the offsets once came out 0, clamping every negative weight to 0)."""
+    weight = torch.randn(8, 512, generator=torch.Generator().manual_seed(3))
+    blocks = weight.view(8, -1, BLOCK)
+    step = (blocks.amax(-1, True) - blocks.amin(-1, True).clamp(max=0)) / levels
+    error = (quantize(weight, fmt).dequantize() - weight).abs().view(8, -1, BLOCK)
+    assert (error <= step).all()
+
+
 def test_formats_reject_what_they_cannot_hold():
     with pytest.raises(ValueError, match="blocks of 32"):
         quantize(torch.zeros(4, 48), "int8")

@@ -332,7 +332,8 @@ def _super_scaled(
 
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:
-    return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    """1 / scale, 0 where the scale is 0 (int4k's and int5k's M are negative: M <= 0)."""
+    return torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
 
 
 def _unsigned_parts(fmt: str, q: torch.Tensor) -> list[torch.Tensor]:
