@@ -42,6 +42,26 @@ def test_gguf_blocks_convert_into_int8k_exactly(block_type):
     assert torch.equal(as_format(weight, "int8k").dequantize(), weight.dequantize())
 
 
+def test_int5h_converts_into_int8h_and_int8_exactly():
+    """int5h's integers less 16 as int8s, under its own fp16 scales (int8h) or those in fp32."""
+    weight = quantize(torch.randn(9, 608, generator=torch.Generator().manual_seed(6)), "int5h")
+    for fmt in ("int8h", "int8"):
+        converted = as_format(weight, fmt)
+        assert converted.fmt == fmt and torch.equal(converted.dequantize(), weight.dequantize())
+
+
+@pytest.mark.parametrize("second", FORMATS)
+@pytest.mark.parametrize("first", FORMATS)
+def test_every_pairing_concatenates_exactly(first, second):
+    """Any two formats fuse, each part's values as they were (19 blocks: int4k's and int5k's
+    last super-block 3), in a format no wider than int8k's 44 bytes a block."""
+    generator = torch.Generator().manual_seed(8)
+    parts = [quantize(torch.randn(3, 608, generator=generator), fmt) for fmt in (first, second)]
+    fused = concatenate(parts)
+    assert torch.equal(fused.dequantize(), torch.cat([w.dequantize() for w in parts]))
+    assert fused.records.shape[1] <= 608 // 32 * 44
+
+
 def test_int8k_converts_into_nothing_else():
     with pytest.raises(ValueError, match="do not convert"):
         as_format(quantize(torch.randn(2, 32), "int8k"), "int8")
@@ -88,6 +108,12 @@ def test_concatenate_promotes_only_mixed_formats():
         widened.dequantize(), torch.cat([int5h.dequantize(), *[w.dequantize() for w in int5s]])
     )
     assert concatenate([int5h, quantize(torch.randn(4, 64), "int6")]).fmt == "int8k"
+    # int5h beside int8h (Gemma 3 Q4_K_M's Q5_0 q/k beside a Q8_0 v) in int8h, beside int8 in int8
+    for fmt in ("int8h", "int8"):
+        mixed = [int5h, quantize(torch.randn(4, 64), fmt)]
+        widened = concatenate(mixed)
+        assert widened.fmt == fmt
+        assert torch.equal(widened.dequantize(), torch.cat([w.dequantize() for w in mixed]))
     with pytest.raises(ValueError, match="input width"):
         concatenate([parts[0], quantize(torch.randn(2, 32), "int4")])
 
@@ -122,6 +148,7 @@ def _tiny_llama() -> LlamaForCausalLM:
             dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), "int5h"),
             ("int5h", "int5h"),
         ),
+        ({"q_proj": "int5h", "k_proj": "int5h", "v_proj": "int8h"}, ("int8h", "int4")),
         ({"q_proj": "int5h", "k_proj": "int5h", "v_proj": "int6"}, ("int8k", "int4")),
         ({}, ("int4", "int4")),  # one format: fused as it is
     ],

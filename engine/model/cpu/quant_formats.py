@@ -16,7 +16,9 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
   block where int8 took 36.
 - ``int5h``: int5 with the scale an fp16 and the offset -16 d implied (``w = d * (q - 16)``), 22
   bytes a block: GGUF's Q5_0, whose blocks load as they are (the file's size); quantising into it
-  is Q5_0's quantiser (d the block's value of largest magnitude over -16, rounded to fp16).
+  is Q5_0's quantiser (d the block's value of largest magnitude over -16, rounded to fp16). Its
+  integers less 16 are int8s under the same fp16s: int8h holds it too, so a Q5_0 q/k beside a
+  Q8_0 v fuse in int8h.
 - ``int5k``: int5 as int4k is to int4 (``d = D * sc``, ``m = M * mc``, 6-bit sc and mc per block
   under fp32 D and M per 8 blocks): GGUF's Q5_K (M = -dmin), 23 bytes a block of 32 where int5
   takes 28 (the file 22).
@@ -27,7 +29,7 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
   into it centres each block (m = (max + min) / 2) and scales each half symmetrically; every other
   format converts into it exactly (`as_format`: int4k by way of int4, int5k and int5h of int5,
   int8h of int8, their scales spelled out in fp32), so projections of mixed formats still fuse
-  (`concatenate`).
+  (`concatenate`: in the narrowest format that holds every part, int8k where no other does).
 
 A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8): per
 block of the column, int8: the scales, then the int8s; int8h: the same with 2-byte scales (the
@@ -140,16 +142,16 @@ class QuantizedWeight:
         """fp32 [N, K] (or [len(index), K]): the values the kernels multiply by."""
         records = self.records if index is None else self.records.index_select(0, index)
         n, blocks = records.shape[0], self.in_features // BLOCK
-        if self.fmt in _WIDENED:
-            return _WIDENED[self.fmt][1](records, n, blocks).dequantize()
+        if self.fmt in _WIDENED:  # by way of its first wider format: the same integers
+            return _WIDENED[self.fmt][0][1](records, n, blocks).dequantize()
         floats = _FLOATS[self.fmt]
         head = records[:, : 4 * floats * blocks].contiguous().view(torch.float32)
         scales = head.view(n, floats, blocks, 1)
         if self.fmt in ("int4", "int5"):
-            q = _unsigned_values(self.fmt, records, n, blocks).float()
+            q = _unsigned_values(self.fmt, records[:, 8 * blocks :], n, blocks).float()
             return (scales[:, 0] * q + scales[:, 1]).view(n, self.in_features)
         if self.fmt == "int6":
-            q = (_unsigned_values(self.fmt, records, n, blocks).float() - 32).view(
+            q = (_unsigned_values(self.fmt, records[:, 8 * blocks :], n, blocks).float() - 32).view(
                 n, blocks, 2, HALF
             )
             return (scales.permute(0, 2, 1, 3) * q).reshape(n, self.in_features)
@@ -161,14 +163,15 @@ class QuantizedWeight:
         return values.reshape(n, self.in_features)
 
 
-def _unsigned_values(fmt: str, records: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
-    """int4, int5 or int6 records' integers, uint8 [n, blocks, 32]."""
-    packed = records[:, 8 * blocks : 8 * blocks + HALF * blocks].reshape(n, blocks, HALF)
+def _unsigned_values(fmt: str, ints: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
+    """int4, int5 or int6 integers, uint8 [n, blocks, 32], from their records' bytes past the
+    scales (``ints``: the nibbles, then the bits above them)."""
+    packed = ints[:, : HALF * blocks].reshape(n, blocks, HALF)
     q = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
     if fmt == "int4":
         return q
     width = _UPPER_BITS[fmt]
-    upper = records[:, 8 * blocks + HALF * blocks :].reshape(n, blocks, 4 * width)
+    upper = ints[:, HALF * blocks :].reshape(n, blocks, 4 * width)
     return q | (_upper_values(upper, width) << 4).to(torch.uint8)
 
 
@@ -190,15 +193,10 @@ def _super_scaled_widener(wider: str):
     return widen
 
 
-# The formats of one fp16 scale per block: the format of fp32 scales whose integers they hold, and
-# the offset as a multiple of the scale (int5h's -16 d; None: int8 has no offset).
-_FP16_SCALED = {"int8h": ("int8", None), "int5h": ("int5", -16.0)}
-
-
 def _fp16_scaled_widener(wider: str, offset: float | None):
     """The reader of int8h (int5h) records into int8 (int5) records: the fp16 scales widened to
-    fp32 and int5h's offset -16 d spelled out, both exact (an fp16 times a power of two); the
-    integers as they are."""
+    fp32 and int5h's offset spelled out (``offset`` times d: -16 d; None for int8, which has
+    none), both exact (an fp16 times a power of two); the integers as they are."""
 
     def widen(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
         scales = records[:, : 2 * blocks].reshape(-1).view(torch.float16).float().view(n, blocks)
@@ -209,12 +207,33 @@ def _fp16_scaled_widener(wider: str, offset: float | None):
     return widen
 
 
-# The formats that spell another's values with narrower scales: that format, and the reader into
-# it.
+def _int5h_as_int8h(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
+    """int5h records' values in int8h records: the fp16 scales as they are, the integers less 16
+    as int8s (d * (q - 16) either way)."""
+    q = _unsigned_values("int5", records[:, 2 * blocks :], n, blocks).to(torch.int8) - 16
+    return QuantizedWeight("int8h", blocks * BLOCK, _records(n, [records[:, : 2 * blocks], q]))
+
+
+# The formats whose values wider ones hold exactly (besides int8k, which holds every format's):
+# those formats, each with the reader into it, the first the one of the same integers with its
+# scales spelled out in fp32 (int5h's second: int8h, its integers as int8s under the same fp16s,
+# where a Q5_0 q/k beside a Q8_0 v fuse at 34 bytes a block instead of int8k's 44).
 _WIDENED = {
-    **{fmt: (wider, _super_scaled_widener(wider)) for fmt, wider in _SUPER_SCALED.items()},
-    **{fmt: (wider, _fp16_scaled_widener(wider, m)) for fmt, (wider, m) in _FP16_SCALED.items()},
+    **{fmt: [(wider, _super_scaled_widener(wider))] for fmt, wider in _SUPER_SCALED.items()},
+    "int8h": [("int8", _fp16_scaled_widener("int8", None))],
+    "int5h": [("int5", _fp16_scaled_widener("int5", -16.0)), ("int8h", _int5h_as_int8h)],
 }
+
+
+def _holders(fmt: str) -> list[str]:
+    """The formats that hold ``fmt``'s values exactly: itself, those it widens into (and theirs),
+    and int8k."""
+    holders = [fmt]
+    for wider, _ in _WIDENED.get(fmt, []):
+        holders += [f for f in _holders(wider) if f not in holders]
+    return holders if "int8k" in holders else [*holders, "int8k"]
+
+
 # A format asked for (a --quantization mode's) and the narrower one whose blocks from a file then
 # load as they are: int8's int8h (Q8_0's fp16 scales).
 NARROWER = {"int8": "int8h"}
@@ -225,27 +244,25 @@ def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
     (both halves' scale the block's d, int6's its own two; the offset 0 or m; the integers as
     int8, int6's less 32; int4k by way of int4's records, int5k and int5h of int5's, int8h of
     int8's), and int4k into int4, int5k and int5h into int5, int8h into int8 (their scales spelled
-    out in fp32)."""
+    out in fp32), int5h into int8h and so int8 (its integers less 16 as int8s)."""
     if weight.fmt == fmt:
         return weight
-    wider, widen = _WIDENED.get(weight.fmt, (None, None))
-    if fmt not in ("int8k", wider) or weight.fmt == "int8k":
+    if fmt not in _holders(weight.fmt):
         raise ValueError(f"{weight.fmt} weights do not convert into {fmt}")
     n, blocks = weight.out_features, weight.in_features // BLOCK
-    if widen is not None:
-        weight = widen(weight.records, n, blocks)
-        if fmt == wider:
-            return weight
+    for wider, widen in _WIDENED.get(weight.fmt, []):
+        if fmt in _holders(wider):  # int8k is among every one's: the first reader takes it there
+            return as_format(widen(weight.records, n, blocks), fmt)
     records = weight.records
     scale = records[:, : 4 * blocks]
     no_offset = torch.zeros(n, 4 * blocks, dtype=torch.uint8)
     if weight.fmt == "int8":
         parts = [scale, scale, no_offset, records[:, 4 * blocks :]]
     elif weight.fmt == "int6":
-        q = _unsigned_values(weight.fmt, records, n, blocks).to(torch.int8) - 32
+        q = _unsigned_values(weight.fmt, records[:, 8 * blocks :], n, blocks).to(torch.int8) - 32
         parts = [scale, records[:, 4 * blocks : 8 * blocks], no_offset, q.view(torch.uint8)]
     else:
-        q = _unsigned_values(weight.fmt, records, n, blocks)
+        q = _unsigned_values(weight.fmt, records[:, 8 * blocks :], n, blocks)
         parts = [scale, scale, records[:, 4 * blocks : 8 * blocks], q]
     records = torch.cat([p.reshape(n, -1) for p in parts], dim=1)
     return QuantizedWeight(fmt, weight.in_features, records)
@@ -253,14 +270,14 @@ def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
 
 def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight of the stacked output columns of ``weights`` (same K): in their format; where
-    they differ, in the one they all widen into (int8h and int8 in int8; int5h, int5k and int5 in
-    int5) or else in int8k (each part converted exactly), so mixed projections still fuse."""
+    they differ, in the narrowest one that holds them all (int8h and int8 in int8; int5h, int5k
+    and int5 in int5; int5h and int8h in int8h), else in int8k (each part converted exactly), so
+    mixed projections still fuse."""
     first = weights[0]
     if any(w.in_features != first.in_features for w in weights):
         raise ValueError("only weights of one input width concatenate")
-    formats = {w.fmt for w in weights}
-    wider = {_WIDENED[f][0] if f in _WIDENED else f for f in formats}
-    fmt = formats.pop() if len(formats) == 1 else wider.pop() if len(wider) == 1 else "int8k"
+    common = set.intersection(*(set(_holders(w.fmt)) for w in weights))
+    fmt = min(common, key=lambda f: (record_bytes(f, first.in_features), f))
     records = [as_format(w, fmt).records for w in weights]
     return QuantizedWeight(fmt, first.in_features, torch.cat(records))
 
