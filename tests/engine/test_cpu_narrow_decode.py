@@ -40,7 +40,7 @@ VARIANTS = {
 # gelu, and attention on the default build), moves the next layers by ~1e-2, in about 1 case in
 # 16 of a seed (the reference alone moves as much with gelu computed in fp64). Seeds whose cases
 # stay clear of such ties on every build:
-SEEDS = {"llama": 0, "qwen3": 400, "gemma3": 400}
+SEEDS = {"llama": 0, "qwen3": 404, "gemma3": 404}
 
 
 # Each test linear's QuantizedWeight, by the module's id: what the torch reference multiplies by.

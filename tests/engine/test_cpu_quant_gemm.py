@@ -8,7 +8,7 @@ import torch
 
 from engine.model.cpu import quant_formats
 from engine.model.cpu.kernels import quant_gemm
-from engine.model.cpu.quant_formats import BLOCK, QuantizedWeight, quantize
+from engine.model.cpu.quant_formats import BLOCK, HALF, QuantizedWeight, as_format, quantize
 
 
 def _runnable_builds() -> list[str]:
@@ -86,10 +86,10 @@ def test_extreme_blocks(isa):
     """int8, int8h and int8k weights of -128 (GGUF's Q8_0 allows it; the AVX2 dot reads |w| as
     unsigned), of 127, and of each in one half only (int8k's halves' sums and corrections apart),
     int8h's largest and subnormal fp16 scales, int4 nibbles of 0 and 15 (int4k's too, with its 6-bit
-    scales at 63), int5 integers of 0 and 31 (int5k's too, with its sc and mc at 0 and 63) and
-    int6's of 0 and 63 (the AVX2 dot's 16-bit pair sums at their largest), each in one half only,
-    the bits above the nibbles alone, all-zero activation blocks (scale 0) and all-zero weight
-    blocks."""
+    scales at 63), int5 integers of 0 and 31 (int5k's too, with its sc and mc at 0 and 63; int5h's
+    with its largest and subnormal fp16 scales) and int6's of 0 and 63 (the AVX2 dot's 16-bit pair
+    sums at their largest), each in one half only, the bits above the nibbles alone, all-zero
+    activation blocks (scale 0) and all-zero weight blocks."""
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 50
     x[1, :32] = 0.0
     int8 = quantize(torch.randn(5, 64), "int8")
@@ -116,6 +116,18 @@ def test_extreme_blocks(isa):
     int5k.records[2, 8:12], int5k.records[2, 12:44], int5k.records[2, 44:] = 0, 0x00, 0xFF
     int5k.records[3, 8:10], int5k.records[3, 10:12] = 63, 0  # sc 63, mc 0
     int5k.records[4, 8:10], int5k.records[4, 10:12] = 0, 63  # sc 0, mc 63
+    int5h = quantize(torch.randn(6, 64), "int5h")  # d [2] f16, nibbles [2][16], fifth bits [2][4]
+    int5h.records[0, 4:], int5h.records[1, 4:] = 0x00, 0xFF  # q 0 (w = -16 d) and 31 (15 d)
+    int5h.records[2, 4:36], int5h.records[2, 36:] = 0x00, 0xFF  # the fifth bits alone: q 16
+    int5h.records[3, 4:20], int5h.records[3, 20:36] = 0xFF, 0x00  # halves apart: q 15 and 0
+    int5h.records[4, 4:], int5h.records[4, :4] = 0xFF, 0  # scales 0
+    int5h.records[5, 4:] = 0x00  # the largest fp16s times q 0, then subnormals
+    int5h.records[1, :4] = int5h.records[5, :4] = (
+        torch.tensor([65504.0, -65504.0]).half().view(torch.uint8)
+    )
+    int5h.records[3, :4] = (
+        torch.tensor([2.0**-24, -(2.0**-14) * 1023 / 1024]).half().view(torch.uint8)
+    )
     int6 = quantize(torch.randn(5, 64), "int6")  # d_lo, d_hi [2] f32, nibbles [2][16], pairs [2][8]
     int6.records[0, 16:], int6.records[1, 16:] = 0x00, 0xFF
     int6.records[2, 16:48], int6.records[2, 48:] = 0x00, 0xFF
@@ -126,7 +138,7 @@ def test_extreme_blocks(isa):
     q[2, :, 0], q[2, :, 1] = -128, 127
     q[3, :, 0], q[3, :, 1] = 127, -128
     int8k.records[4] = 0  # scales and offset 0, q 0
-    for weight in (int8, int8h, int4, int4k, int5, int5k, int6, int8k):
+    for weight in (int8, int8h, int4, int4k, int5, int5h, int5k, int6, int8k):
         out = run(isa, weight, x, None, threads=1)
         torch.testing.assert_close(out, reference(x, weight, None), rtol=1e-5, atol=1e-3)
 
@@ -191,6 +203,44 @@ def test_int8h_reads_every_fp16_scale_exactly(isa):
     assert torch.equal(rows.isnan(), weight.dequantize().isnan())
 
 
+@pytest.mark.parametrize("isa", BUILDS)
+def test_int5h_reads_every_finite_fp16_scale_exactly(isa):
+    """int5h's fp16 scales widened in the kernel (vcvtph2ps, or the generic build's plain C) and in
+    its row read-back, with the offset -16 d: every finite fp16 bit pattern (subnormals and the
+    largest included; an infinite d has no finite -16 d to read back by) as one column's scale,
+    q = 17 in the first element and 16 (w = 0) in the rest, against activations that quantise
+    exactly (d_x = 1): each output is 127 d in fp32, exact, and each row read back d, 0, ..."""
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    patterns = patterns[patterns.isfinite()]
+    n = patterns.numel()
+    records = torch.zeros(n, 2 + HALF + 4, dtype=torch.uint8)  # nibbles 0, fifth bits all set
+    records[:, :2] = patterns.view(torch.uint8).view(n, 2)
+    records[:, 2], records[:, 2 + HALF :] = 0x01, 0xFF  # element 0's nibble 1: q 17
+    weight = QuantizedWeight("int5h", BLOCK, records)
+    x = torch.zeros(1, BLOCK)
+    x[0, 0] = 127.0
+    d = patterns.float()
+    out = run(isa, weight, x, None)[0]
+    torch.testing.assert_close(out, 127 * d, rtol=0, atol=0)
+    lib = quant_gemm.library(isa)
+    ids = torch.arange(n)
+    rows = quant_gemm.unpack_rows(lib, "int5h", quant_gemm.pack(lib, weight), n, BLOCK, ids)
+    expected = torch.zeros(n, BLOCK)
+    expected[:, 0] = d
+    torch.testing.assert_close(rows, expected, rtol=0, atol=0)
+    assert torch.equal(rows, weight.dequantize())
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_int5h_multiplies_as_int5(isa):
+    """int5h's GEMM is int5's on the same values (its m = -16 d, exact), bit for bit: ragged rows
+    and a group of 8 columns cut short."""
+    generator = torch.Generator().manual_seed(5)
+    weight = quantize(torch.randn(35, 608, generator=generator), "int5h")
+    x = torch.randn(9, 608, generator=generator)
+    assert torch.equal(run(isa, weight, x, None), run(isa, as_format(weight, "int5"), x, None))
+
+
 @pytest.mark.parametrize("fmt", quant_formats.FORMATS)
 def test_every_build_gives_the_same_numbers(fmt):
     """The integer dots are exact in every build: only the fp32 sums of blocks differ in order."""
@@ -218,6 +268,18 @@ def test_quantize_round_trips_within_half_a_step():
     ):
         error = (quantize(weight, fmt).dequantize() - weight).abs().view(8, -1, BLOCK)
         assert (error <= step / 2 * (1 + 1e-5) + 1e-7).all(), fmt
+
+
+@pytest.mark.parametrize(("fmt", "levels"), [("int4k", 15), ("int5k", 31)])
+def test_super_scaled_quantisers_keep_the_offsets(fmt, levels):
+    """int4k and int5k quantise each block against its minimum (M <= 0 times a 6-bit mc): every
+    weight within a step of its block's range, the 6-bit rounding of sc and mc taking part of
+    that (the offsets once came out 0, clamping every negative weight to 0)."""
+    weight = torch.randn(8, 512, generator=torch.Generator().manual_seed(3))
+    blocks = weight.view(8, -1, BLOCK)
+    step = (blocks.amax(-1, True) - blocks.amin(-1, True).clamp(max=0)) / levels
+    error = (quantize(weight, fmt).dequantize() - weight).abs().view(8, -1, BLOCK)
+    assert (error <= step).all()
 
 
 def test_formats_reject_what_they_cannot_hold():

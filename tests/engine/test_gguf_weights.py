@@ -1,8 +1,9 @@
 """A GGUF's weights come from the file as it holds them: each block type a narrow format holds
-(Q8_0, IQ4_NL -> int8h; IQ4_XS -> int8; Q4_0, Q4_1 -> int4; Q4_K -> int4k; Q5_0, Q5_1 -> int5;
-Q5_K -> int5k; Q6_K -> int6; Q3_K -> int8k) reproduces gguf's own dequantisation bit for bit,
-and a whole model loaded from the file equals the one transformers builds by dequantising every
-tensor (its weights on narrow records where the file's blocks allow, in the same row order)."""
+(Q8_0, IQ4_NL -> int8h; IQ4_XS -> int8; Q4_0, Q4_1 -> int4; Q4_K -> int4k; Q5_0 -> int5h;
+Q5_1 -> int5; Q5_K -> int5k; Q6_K -> int6; Q3_K -> int8k) reproduces gguf's own dequantisation
+bit for bit, and a whole model loaded from the file equals the one transformers builds by
+dequantising every tensor (its weights on narrow records where the file's blocks allow, in the same
+row order)."""
 
 from __future__ import annotations
 
@@ -61,11 +62,15 @@ def test_each_block_type_loads_bit_exact(block_type):
     assert torch.equal(weight.dequantize(index), reference[index])
 
 
-@pytest.mark.parametrize("block_type", ["Q8_0", "IQ4_NL"])
-def test_fp16_scales_load_as_the_file_holds_them(block_type):
-    """Q8_0's and IQ4_NL's scales go into int8h as the file's fp16s (Q8_0's records the file's 34
-    bytes a block): every finite fp16 as a block's scale, subnormals and the largest included,
-    dequantises bit for bit as gguf does."""
+@pytest.mark.parametrize(
+    ("block_type", "fmt", "block_bytes"),
+    [("Q8_0", "int8h", 34), ("IQ4_NL", "int8h", 34), ("Q5_0", "int5h", 22)],
+)
+def test_fp16_scales_load_as_the_file_holds_them(block_type, fmt, block_bytes):
+    """Q8_0's and IQ4_NL's scales go into int8h, Q5_0's into int5h, as the file's fp16s (Q8_0's
+    and Q5_0's records the file's 34 and 22 bytes a block): every finite fp16 as a block's scale,
+    subnormals and the largest included, dequantises bit for bit as gguf does (Q5_0's q of 0 and
+    31 among the random bytes' integers)."""
     _, elements, size = GGUF_BLOCKS[block_type]
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     scales = patterns[np.isfinite(patterns.view(np.float16))].reshape(-1, 16)  # 16 blocks a row
@@ -75,7 +80,7 @@ def test_fp16_scales_load_as_the_file_holds_them(block_type):
     raw = blocks.reshape(rows, -1)
     reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[block_type]).copy())
     weight = from_gguf_blocks(block_type, raw, 16 * elements)
-    assert weight.fmt == "int8h" and weight.nbytes == rows * 16 * 34
+    assert weight.fmt == fmt and weight.nbytes == rows * 16 * block_bytes
     assert torch.equal(weight.dequantize(), reference)
 
 

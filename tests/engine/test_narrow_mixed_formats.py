@@ -1,7 +1,7 @@
 """Projections of mixed narrow formats fuse: every format converts into int8k exactly, so a
 Q4_K_M file's Q4_K q/k beside its Q6_K v still make one q/k/v GEMM (the one-call decode step runs
-fused projections only), with the outputs of the separate linears; int8h, int4k and int5k, which
-spell int8's, int4's and int5's values with narrower scales, fuse with those in them."""
+fused projections only), with the outputs of the separate linears; int8h, int4k, int5k and int5h,
+which spell int8's, int4's and int5's values with narrower scales, fuse with those in them."""
 
 from __future__ import annotations
 
@@ -42,16 +42,37 @@ def test_gguf_blocks_convert_into_int8k_exactly(block_type):
     assert torch.equal(as_format(weight, "int8k").dequantize(), weight.dequantize())
 
 
+def test_int5h_converts_into_int8h_and_int8_exactly():
+    """int5h's integers less 16 as int8s, under its own fp16 scales (int8h) or those in fp32."""
+    weight = quantize(torch.randn(9, 608, generator=torch.Generator().manual_seed(6)), "int5h")
+    for fmt in ("int8h", "int8"):
+        converted = as_format(weight, fmt)
+        assert converted.fmt == fmt and torch.equal(converted.dequantize(), weight.dequantize())
+
+
+@pytest.mark.parametrize("second", FORMATS)
+@pytest.mark.parametrize("first", FORMATS)
+def test_every_pairing_concatenates_exactly(first, second):
+    """Any two formats fuse, each part's values as they were (19 blocks: int4k's and int5k's
+    last super-block 3), in a format no wider than int8k's 44 bytes a block."""
+    generator = torch.Generator().manual_seed(8)
+    parts = [quantize(torch.randn(3, 608, generator=generator), fmt) for fmt in (first, second)]
+    fused = concatenate(parts)
+    assert torch.equal(fused.dequantize(), torch.cat([w.dequantize() for w in parts]))
+    assert fused.records.shape[1] <= 608 // 32 * 44
+
+
 def test_int8k_converts_into_nothing_else():
     with pytest.raises(ValueError, match="do not convert"):
         as_format(quantize(torch.randn(2, 32), "int8k"), "int8")
 
 
 @pytest.mark.parametrize(
-    ("narrow", "wide"), [("int8h", "int8"), ("int4k", "int4"), ("int5k", "int5")]
+    ("narrow", "wide"),
+    [("int8h", "int8"), ("int4k", "int4"), ("int5k", "int5"), ("int5h", "int5")],
 )
 def test_narrower_scales_widen_into_their_format_only(narrow, wide):
-    """int8h into int8, int4k into int4, int5k into int5, exactly (19 blocks: the last
+    """int8h into int8, int4k into int4, int5k and int5h into int5, exactly (19 blocks: the last
     super-block of int4k and int5k 3 blocks); nothing narrows, nor widens elsewhere."""
     weight = quantize(torch.randn(9, 608, generator=torch.Generator().manual_seed(4)), narrow)
     widened = as_format(weight, wide)
@@ -78,6 +99,21 @@ def test_concatenate_promotes_only_mixed_formats():
     assert widened.fmt == "int5"
     assert torch.equal(widened.dequantize(), torch.cat([w.dequantize() for w in int5s]))
     assert concatenate([int5s[0], quantize(torch.randn(4, 64), "int4k")]).fmt == "int8k"
+    # int5h (Q5_0) fuses as it is with int5h, in int5 beside int5k or int5, in int8k beside int6
+    int5h = quantize(torch.randn(4, 64), "int5h")
+    assert concatenate([int5h, int5h]).fmt == "int5h"
+    widened = concatenate([int5h, *int5s])
+    assert widened.fmt == "int5"
+    assert torch.equal(
+        widened.dequantize(), torch.cat([int5h.dequantize(), *[w.dequantize() for w in int5s]])
+    )
+    assert concatenate([int5h, quantize(torch.randn(4, 64), "int6")]).fmt == "int8k"
+    # int5h beside int8h (Gemma 3 Q4_K_M's Q5_0 q/k beside a Q8_0 v) in int8h, beside int8 in int8
+    for fmt in ("int8h", "int8"):
+        mixed = [int5h, quantize(torch.randn(4, 64), fmt)]
+        widened = concatenate(mixed)
+        assert widened.fmt == fmt
+        assert torch.equal(widened.dequantize(), torch.cat([w.dequantize() for w in mixed]))
     with pytest.raises(ValueError, match="input width"):
         concatenate([parts[0], quantize(torch.randn(2, 32), "int4")])
 
@@ -107,6 +143,13 @@ def _tiny_llama() -> LlamaForCausalLM:
             {"q_proj": "int5k", "k_proj": "int5k", "v_proj": "int5", "gate_proj": "int5k"},
             ("int5", "int8k"),
         ),
+        # Gemma 3's Q4_K_M: Q5_0 q/k/gate/up, a Q5_0 v in most layers and a Q6_K or Q8_0 one in some
+        (
+            dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), "int5h"),
+            ("int5h", "int5h"),
+        ),
+        ({"q_proj": "int5h", "k_proj": "int5h", "v_proj": "int8h"}, ("int8h", "int4")),
+        ({"q_proj": "int5h", "k_proj": "int5h", "v_proj": "int6"}, ("int8k", "int4")),
         ({}, ("int4", "int4")),  # one format: fused as it is
     ],
 )

@@ -12,8 +12,13 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
 - ``int4k``: int4 whose d and m are products: ``d = D * sc``, ``m = M * mc`` with sc, mc in
   [0, 63] per block and D, M fp32 per super-block of 8 blocks (the last may be shorter): GGUF's
   Q4_K (M = -dmin), 19 bytes a block of 32 where int4 takes 24.
-- ``int5``: ``w = d * q + m``, q in [0, 31], as int4 with a fifth bit: GGUF's Q5_0 (m = -16 d)
-  and Q5_1, 28 bytes a block where int8 took 36.
+- ``int5``: ``w = d * q + m``, q in [0, 31], as int4 with a fifth bit: GGUF's Q5_1, 28 bytes a
+  block where int8 took 36.
+- ``int5h``: int5 with the scale an fp16 and the offset -16 d implied (``w = d * (q - 16)``), 22
+  bytes a block: GGUF's Q5_0, whose blocks load as they are (the file's size); quantising into it
+  is Q5_0's quantiser (d the block's value of largest magnitude over -16, rounded to fp16). Its
+  integers less 16 are int8s under the same fp16s: int8h holds it too, so a Q5_0 q/k beside a
+  Q8_0 v fuse in int8h.
 - ``int5k``: int5 as int4k is to int4 (``d = D * sc``, ``m = M * mc``, 6-bit sc and mc per block
   under fp32 D and M per 8 blocks): GGUF's Q5_K (M = -dmin), 23 bytes a block of 32 where int5
   takes 28 (the file 22).
@@ -22,34 +27,35 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
 - ``int8k``: ``w = d_half * q + m``, q in [-128, 127], two fp32 scales per block (d_lo for elements
   0-15, d_hi for 16-31) and one fp32 offset: Q3_K's scale per 16. Quantising
   into it centres each block (m = (max + min) / 2) and scales each half symmetrically; every other
-  format converts into it exactly (`as_format`: int4k by way of int4, int5k of int5, int8h of
-  int8, their scales spelled out in fp32), so projections of mixed formats still fuse
-  (`concatenate`).
+  format converts into it exactly (`as_format`: int4k by way of int4, int5k and int5h of int5,
+  int8h of int8, their scales spelled out in fp32), so projections of mixed formats still fuse
+  (`concatenate`: in the narrowest format that holds every part, int8k where no other does).
 
 A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8): per
 block of the column, int8: the scales, then the int8s; int8h: the same with 2-byte scales (the
 file's fp16s, copied as they are); int4: the scales, the offsets, then the nibbles (16 bytes a
-block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's order);
-int4k: the super-blocks' D, then their M, the blocks' sc, then their mc (a byte each), then int4's
-nibbles; int5: int4's, then the fifth bits (4 bytes a block, a little-endian uint32 whose bit i is
-element i's, GGUF's order); int5k: int4k's, then int5's fifth bits; int6: the low-half scales,
-the high-half scales, int4's nibbles, then the high bit pairs (8 bytes a block, bits 2 (i % 4) and
-up of byte i / 4 element i's); int8k: the low-half scales, the high-half scales, the offsets, then
-the int8s. Records of one format and K concatenate, so fused projections are a torch.cat; rows
-permute with an index (kernels/quant_gemm.c reads them).
+block, the low nibbles elements 0-15 and the high nibbles 16-31, GGUF's order); int4k: the
+super-blocks' D, then their M, the blocks' sc, then their mc (a byte each), then int4's nibbles;
+int5: int4's, then the fifth bits (4 bytes a block, a little-endian uint32 whose bit i is element
+i's, GGUF's order); int5h: the 2-byte scales (the file's fp16s), then int5's nibbles and fifth bits;
+int5k: int4k's, then int5's fifth bits; int6: the low-half scales, the high-half scales, int4's
+nibbles, then the high bit pairs (8 bytes a block, bits 2 (i % 4) and up of byte i / 4 element i's);
+int8k: the low-half scales, the high-half scales, the offsets, then the int8s. Records of one format
+and K concatenate, so fused projections are a torch.cat; rows permute with an index
+(kernels/quant_gemm.c reads them).
 
 GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8h at its size in the file,
 and there too IQ4_NL (``d * table[q]``, 4-bit indices into 16 fixed int8 values) at twice its size;
 IQ4_XS (the same with d a super-block's fp16 times a 6-bit scale per 32, less 32: not an fp16) in
 int8; Q4_1 and Q4_0 in int4; Q4_K, whose super-blocks of 256 carry 6-bit scales and offsets per 32
-(``d * sc * q - dmin * m``), in int4k; in int5 Q5_0 (``d * (q - 16)``) and Q5_1 (``d * q + m``);
-in int5k Q5_K (Q4_K's scales with 5-bit q); in int6 Q6_K (``d * sc * (q - 32)``, sc int8 per 16,
-q 6 bits); in int8k Q3_K (``d * (sc - 32) * q``, sc 6 bits per 16, q in [-4, 3]). The products
-d * sc and dmin * m are exact in fp32, being fp16 times integers of at most 8 bits (11 + 8
-significant bits < 24), so each weight is gguf's own single rounding of that product times q
-(plus the offset); int4k and int5k keep the fp16s (in fp32) and the integers apart, and the
-kernels take the same exact products. GGUF stores its scales in fp16; widening them to fp32 is
-exact (int8h keeps them in fp16, the kernels widen them as they read them)."""
+(``d * sc * q - dmin * m``), in int4k; Q5_0 (``d * (q - 16)``) in int5h at its size in the file;
+Q5_1 (``d * q + m``) in int5; in int5k Q5_K (Q4_K's scales with 5-bit q); in int6 Q6_K (``d * sc *
+(q - 32)``, sc int8 per 16, q 6 bits); in int8k Q3_K (``d * (sc - 32) * q``, sc 6 bits per 16, q in
+[-4, 3]). The products d * sc and dmin * m are exact in fp32, being fp16 times integers of at most 8
+bits (11 + 8 significant bits < 24), so each weight is gguf's own single rounding of that product
+times q (plus the offset); int4k and int5k keep the fp16s (in fp32) and the integers apart, and the
+kernels take the same exact products. GGUF stores its scales in fp16; widening them to fp32 is exact
+(int8h and int5h keep them in fp16, the kernels widen them as they read them)."""
 
 from __future__ import annotations
 
@@ -60,13 +66,13 @@ import torch
 
 BLOCK = 32
 HALF = BLOCK // 2
-FORMATS = ("int8", "int8h", "int4", "int4k", "int5", "int5k", "int6", "int8k")
+FORMATS = ("int8", "int8h", "int4", "int4k", "int5", "int5h", "int5k", "int6", "int8k")
 # GGUF block types that load into a format as they are: (format, elements and bytes per block).
 GGUF_BLOCKS = {
     "Q8_0": ("int8h", 32, 34),
     "IQ4_NL": ("int8h", 32, 18),
     "IQ4_XS": ("int8", 256, 136),
-    "Q5_0": ("int5", 32, 22),
+    "Q5_0": ("int5h", 32, 22),
     "Q4_1": ("int4", 32, 20),
     "Q4_0": ("int4", 32, 18),
     "Q4_K": ("int4k", 256, 144),
@@ -75,17 +81,19 @@ GGUF_BLOCKS = {
     "Q3_K": ("int8k", 256, 110),
     "Q6_K": ("int6", 256, 210),
 }
-# Bytes per block of a record: its scales and offsets (fp32, int8h's fp16), then its integers.
+# Bytes per block of a record: its scales and offsets (fp32, int8h's and int5h's fp16), then its
+# integers.
 _BLOCK_BYTES = {
     "int8": 4 + BLOCK,
     "int8h": 2 + BLOCK,
     "int4": 8 + HALF,
     "int5": 12 + HALF,
+    "int5h": 6 + HALF,
     "int6": 16 + HALF,
     "int8k": 12 + BLOCK,
 }
-# fp32 scales and offsets per block of a record (int4k's, int5k's and int8h's: those of int4, int5
-# and int8, `_WIDENED`).
+# fp32 scales and offsets per block of a record (int4k's, int5k's, int5h's and int8h's: those of
+# int4, int5 and int8, `_WIDENED`).
 _FLOATS = {"int8": 1, "int4": 2, "int5": 2, "int6": 2, "int8k": 3}
 # Bits above the nibbles per element of int5 and int6.
 _UPPER_BITS = {"int5": 1, "int6": 2}
@@ -134,16 +142,16 @@ class QuantizedWeight:
         """fp32 [N, K] (or [len(index), K]): the values the kernels multiply by."""
         records = self.records if index is None else self.records.index_select(0, index)
         n, blocks = records.shape[0], self.in_features // BLOCK
-        if self.fmt in _WIDENED:
-            return _WIDENED[self.fmt][1](records, n, blocks).dequantize()
+        if self.fmt in _WIDENED:  # by way of its first wider format: the same integers
+            return _WIDENED[self.fmt][0][1](records, n, blocks).dequantize()
         floats = _FLOATS[self.fmt]
         head = records[:, : 4 * floats * blocks].contiguous().view(torch.float32)
         scales = head.view(n, floats, blocks, 1)
         if self.fmt in ("int4", "int5"):
-            q = _unsigned_values(self.fmt, records, n, blocks).float()
+            q = _unsigned_values(self.fmt, records[:, 8 * blocks :], n, blocks).float()
             return (scales[:, 0] * q + scales[:, 1]).view(n, self.in_features)
         if self.fmt == "int6":
-            q = (_unsigned_values(self.fmt, records, n, blocks).float() - 32).view(
+            q = (_unsigned_values(self.fmt, records[:, 8 * blocks :], n, blocks).float() - 32).view(
                 n, blocks, 2, HALF
             )
             return (scales.permute(0, 2, 1, 3) * q).reshape(n, self.in_features)
@@ -155,14 +163,15 @@ class QuantizedWeight:
         return values.reshape(n, self.in_features)
 
 
-def _unsigned_values(fmt: str, records: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
-    """int4, int5 or int6 records' integers, uint8 [n, blocks, 32]."""
-    packed = records[:, 8 * blocks : 8 * blocks + HALF * blocks].reshape(n, blocks, HALF)
+def _unsigned_values(fmt: str, ints: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
+    """int4, int5 or int6 integers, uint8 [n, blocks, 32], from their records' bytes past the
+    scales (``ints``: the nibbles, then the bits above them)."""
+    packed = ints[:, : HALF * blocks].reshape(n, blocks, HALF)
     q = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
     if fmt == "int4":
         return q
     width = _UPPER_BITS[fmt]
-    upper = records[:, 8 * blocks + HALF * blocks :].reshape(n, blocks, 4 * width)
+    upper = ints[:, HALF * blocks :].reshape(n, blocks, 4 * width)
     return q | (_upper_values(upper, width) << 4).to(torch.uint8)
 
 
@@ -184,18 +193,47 @@ def _super_scaled_widener(wider: str):
     return widen
 
 
-def _int8h_as_int8(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
-    """int8h records' values in int8 records: the fp16 scales widened to fp32, exact."""
-    scales = records[:, : 2 * blocks].reshape(-1).view(torch.float16).float().view(n, blocks)
-    return QuantizedWeight("int8", blocks * BLOCK, _records(n, [scales, records[:, 2 * blocks :]]))
+def _fp16_scaled_widener(wider: str, offset: float | None):
+    """The reader of int8h (int5h) records into int8 (int5) records: the fp16 scales widened to
+    fp32 and int5h's offset spelled out (``offset`` times d: -16 d; None for int8, which has
+    none), both exact (an fp16 times a power of two); the integers as they are."""
+
+    def widen(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
+        scales = records[:, : 2 * blocks].reshape(-1).view(torch.float16).float().view(n, blocks)
+        offsets = [] if offset is None else [offset * scales]
+        parts = [scales, *offsets, records[:, 2 * blocks :]]
+        return QuantizedWeight(wider, blocks * BLOCK, _records(n, parts))
+
+    return widen
 
 
-# The formats that spell another's values with narrower scales: that format, and the reader into
-# it.
+def _int5h_as_int8h(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
+    """int5h records' values in int8h records: the fp16 scales as they are, the integers less 16
+    as int8s (d * (q - 16) either way)."""
+    q = _unsigned_values("int5", records[:, 2 * blocks :], n, blocks).to(torch.int8) - 16
+    return QuantizedWeight("int8h", blocks * BLOCK, _records(n, [records[:, : 2 * blocks], q]))
+
+
+# The formats whose values wider ones hold exactly (besides int8k, which holds every format's):
+# those formats, each with the reader into it, the first the one of the same integers with its
+# scales spelled out in fp32 (int5h's second: int8h, its integers as int8s under the same fp16s,
+# where a Q5_0 q/k beside a Q8_0 v fuse at 34 bytes a block instead of int8k's 44).
 _WIDENED = {
-    **{fmt: (wider, _super_scaled_widener(wider)) for fmt, wider in _SUPER_SCALED.items()},
-    "int8h": ("int8", _int8h_as_int8),
+    **{fmt: [(wider, _super_scaled_widener(wider))] for fmt, wider in _SUPER_SCALED.items()},
+    "int8h": [("int8", _fp16_scaled_widener("int8", None))],
+    "int5h": [("int5", _fp16_scaled_widener("int5", -16.0)), ("int8h", _int5h_as_int8h)],
 }
+
+
+def _holders(fmt: str) -> list[str]:
+    """The formats that hold ``fmt``'s values exactly: itself, those it widens into (and theirs),
+    and int8k."""
+    holders = [fmt]
+    for wider, _ in _WIDENED.get(fmt, []):
+        holders += [f for f in _holders(wider) if f not in holders]
+    return holders if "int8k" in holders else [*holders, "int8k"]
+
+
 # A format asked for (a --quantization mode's) and the narrower one whose blocks from a file then
 # load as they are: int8's int8h (Q8_0's fp16 scales).
 NARROWER = {"int8": "int8h"}
@@ -204,28 +242,27 @@ NARROWER = {"int8": "int8h"}
 def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
     """``weight`` in ``fmt``, the same values: every other format converts into int8k exactly
     (both halves' scale the block's d, int6's its own two; the offset 0 or m; the integers as
-    int8, int6's less 32; int4k by way of int4's records, int5k of int5's, int8h of int8's), and
-    int4k into int4, int5k into int5, int8h into int8 (their scales spelled out in fp32)."""
+    int8, int6's less 32; int4k by way of int4's records, int5k and int5h of int5's, int8h of
+    int8's), and int4k into int4, int5k and int5h into int5, int8h into int8 (their scales spelled
+    out in fp32), int5h into int8h and so int8 (its integers less 16 as int8s)."""
     if weight.fmt == fmt:
         return weight
-    wider, widen = _WIDENED.get(weight.fmt, (None, None))
-    if fmt not in ("int8k", wider) or weight.fmt == "int8k":
+    if fmt not in _holders(weight.fmt):
         raise ValueError(f"{weight.fmt} weights do not convert into {fmt}")
     n, blocks = weight.out_features, weight.in_features // BLOCK
-    if widen is not None:
-        weight = widen(weight.records, n, blocks)
-        if fmt == wider:
-            return weight
+    for wider, widen in _WIDENED.get(weight.fmt, []):
+        if fmt in _holders(wider):  # int8k is among every one's: the first reader takes it there
+            return as_format(widen(weight.records, n, blocks), fmt)
     records = weight.records
     scale = records[:, : 4 * blocks]
     no_offset = torch.zeros(n, 4 * blocks, dtype=torch.uint8)
     if weight.fmt == "int8":
         parts = [scale, scale, no_offset, records[:, 4 * blocks :]]
     elif weight.fmt == "int6":
-        q = _unsigned_values(weight.fmt, records, n, blocks).to(torch.int8) - 32
+        q = _unsigned_values(weight.fmt, records[:, 8 * blocks :], n, blocks).to(torch.int8) - 32
         parts = [scale, records[:, 4 * blocks : 8 * blocks], no_offset, q.view(torch.uint8)]
     else:
-        q = _unsigned_values(weight.fmt, records, n, blocks)
+        q = _unsigned_values(weight.fmt, records[:, 8 * blocks :], n, blocks)
         parts = [scale, scale, records[:, 4 * blocks : 8 * blocks], q]
     records = torch.cat([p.reshape(n, -1) for p in parts], dim=1)
     return QuantizedWeight(fmt, weight.in_features, records)
@@ -233,14 +270,14 @@ def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
 
 def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight of the stacked output columns of ``weights`` (same K): in their format; where
-    they differ, in the one they all widen into (int8h and int8 in int8) or else in int8k (each
-    part converted exactly), so mixed projections still fuse."""
+    they differ, in the narrowest one that holds them all (int8h and int8 in int8; int5h, int5k
+    and int5 in int5; int5h and int8h in int8h), else in int8k (each part converted exactly), so
+    mixed projections still fuse."""
     first = weights[0]
     if any(w.in_features != first.in_features for w in weights):
         raise ValueError("only weights of one input width concatenate")
-    formats = {w.fmt for w in weights}
-    wider = {_WIDENED[f][0] if f in _WIDENED else f for f in formats}
-    fmt = formats.pop() if len(formats) == 1 else wider.pop() if len(wider) == 1 else "int8k"
+    common = set.intersection(*(set(_holders(w.fmt)) for w in weights))
+    fmt = min(common, key=lambda f: (record_bytes(f, first.in_features), f))
     records = [as_format(w, fmt).records for w in weights]
     return QuantizedWeight(fmt, first.in_features, torch.cat(records))
 
@@ -263,6 +300,13 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         q = torch.round(blocks * _inverse(scale)).clamp(-128, 127).to(torch.int8)
         # int8h: q against the fp32 d, which is then stored rounded to fp16, as Q8_0's quantiser
         parts = [scale if fmt == "int8" else scale.half(), q]
+    elif fmt == "int5h":
+        # Q5_0's quantiser: d the block's value of largest magnitude over -16 (that value's q 0),
+        # q against the fp32 d, d stored rounded to fp16
+        extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+        scale = extreme / -16.0
+        q = torch.round(blocks * _inverse(scale) + 16).clamp(0, 31).to(torch.int32)
+        parts = [scale.half(), *_unsigned_parts("int5", q)]
     elif fmt in ("int4", "int5"):
         levels = 15 if fmt == "int4" else 31
         low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
@@ -332,7 +376,8 @@ def _super_scaled(
 
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:
-    return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    """1 / scale, 0 where the scale is 0 (int4k's and int5k's M and int5h's d may be negative)."""
+    return torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
 
 
 def _unsigned_parts(fmt: str, q: torch.Tensor) -> list[torch.Tensor]:
@@ -364,8 +409,8 @@ def from_gguf_blocks(block_type: str, raw: np.ndarray, k: int) -> QuantizedWeigh
     # the nibbles and Q5's fifth bits are laid out as the records hold them: copied as they are
     if block_type == "Q8_0":  # int8h: the scale as the file's fp16
         parts = [blocks[..., :2], blocks[..., 2:]]
-    elif block_type == "Q5_0":
-        parts = [scale, -16.0 * scale, blocks[..., 6:], blocks[..., 2:6]]
+    elif block_type == "Q5_0":  # int5h: the scale as the file's fp16, the offset -16 d implied
+        parts = [blocks[..., :2], blocks[..., 6:], blocks[..., 2:6]]
     elif block_type == "Q4_1":
         parts = [scale, _fp16(blocks[..., 2:4]), blocks[..., 4:]]
     elif block_type == "Q4_0":

@@ -1,5 +1,5 @@
 /* Linear layers on narrow weights: y = x W^T + b with W in blocks of 32 along the input dimension,
- * each block one to three fp32 scales (int8h: one fp16) and 32 integers
+ * each block one to three fp32 scales (int8h, int5h: one fp16) and 32 integers
  * (engine/model/cpu/quant_formats.py):
  *
  *   int8 (QUANT_INT8): w = d * q, q in [-128, 127]      quantised at load; GGUF's IQ4_XS
@@ -7,7 +7,8 @@
  *   int4 (QUANT_INT4): w = d * q + m, q in [0, 15]      GGUF's Q4_1 (and Q4_0: m = -8 d) blocks
  *   int4k (QUANT_INT4K): int4 with d = D * sc, m = M * mc  GGUF's Q4_K (sc, mc 6 bits per
  *                                                       block, D, M fp32 per 8 blocks)
- *   int5 (QUANT_INT5): w = d * q + m, q in [0, 31]      GGUF's Q5_0 (m = -16 d), Q5_1
+ *   int5 (QUANT_INT5): w = d * q + m, q in [0, 31]      GGUF's Q5_1
+ *   int5h (QUANT_INT5H): int5 with d an fp16, m = -16 d  GGUF's Q5_0 blocks
  *   int5k (QUANT_INT5K): int5 with d = D * sc, m = M * mc  GGUF's Q5_K (as int4k)
  *   int6 (QUANT_INT6): w = d_half * (q - 32), q in [0, 63]   GGUF's Q6_K (one d per 16)
  *   int8k (QUANT_INT8K): w = d_half * q + m, q int8     one d per 16 inputs: GGUF's Q3_K; mixed
@@ -18,14 +19,14 @@
  * consecutive inputs, one 32-bit lane per column. One vpdpbusd of such a vector against 4
  * activations broadcast then adds 4 products to each of 8 columns, so the integer sums of a block
  * come out per column without any horizontal reduction, and the scales cost one conversion and one
- * multiply-add per 8 columns and block, int8h's fp16s one vcvtph2ps more (on column-major records
- * they cost that per column: 3x slower at 16-64 rows, docs/PERFORMANCE.md#narrow-weights). The
- * activations are quantised per row and block to int8 on the way in (d_x = max|x| / 127), so a
- * block's dot product is an integer one: d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for int4 and
- * int8k, whose halves' sums each take their own d_w). Up to ROWS input rows share each weight
- * load. The dots run on vpdpbusd (AVX512-VNNI on 256-bit vectors, or AVX-VNNI), AVX2 (vpmaddubsw +
- * vpmaddwd; these builds need F16C too, which every AVX2 CPU has) or plain C, as the build's
- * target allows (kernels/build.py). */
+ * multiply-add per 8 columns and block, int8h's and int5h's fp16s one vcvtph2ps more (on
+ * column-major records they cost that per column: 3x slower at 16-64 rows,
+ * docs/PERFORMANCE.md#narrow-weights). The activations are quantised per row and block to int8 on
+ * the way in (d_x = max|x| / 127), so a block's dot product is an integer one: d_w d_x sum(q_w q_x)
+ * (+ m_w d_x sum(q_x) for int4 and int8k, whose halves' sums each take their own d_w). Up to ROWS
+ * input rows share each weight load. The dots run on vpdpbusd (AVX512-VNNI on 256-bit vectors, or
+ * AVX-VNNI), AVX2 (vpmaddubsw + vpmaddwd; these builds need F16C too, which every AVX2 CPU has) or
+ * plain C, as the build's target allows (kernels/build.py). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,7 +57,7 @@
 #define SERIAL_QUANTIZE 32768 /* activations (m x k) up to which one thread quantises them */
 
 enum { QUANT_INT8 = 0, QUANT_INT4 = 1, QUANT_INT8K = 2, QUANT_INT5 = 3, QUANT_INT6 = 4,
-       QUANT_INT4K = 5, QUANT_INT8H = 6, QUANT_INT5K = 7 };
+       QUANT_INT4K = 5, QUANT_INT8H = 6, QUANT_INT5K = 7, QUANT_INT5H = 8 };
 #define SUPER 8     /* int4k's and int5k's blocks per super-block */
 #define SUPER_HEAD 64 /* their D [8] and M [8] f32 before each super-block's blocks */
 
@@ -64,6 +65,11 @@ enum { QUANT_INT8 = 0, QUANT_INT4 = 1, QUANT_INT8K = 2, QUANT_INT5 = 3, QUANT_IN
  * D, M per super-block). */
 static inline int super_scaled(int format) {
     return format == QUANT_INT4K || format == QUANT_INT5K;
+}
+
+/* Whether the format's d is one fp16 per column and block (int8h, int5h: the file's). */
+static inline int fp16_scaled(int format) {
+    return format == QUANT_INT8H || format == QUANT_INT5H;
 }
 
 /* Which integer dot product this build runs. */
@@ -77,25 +83,26 @@ const char *quant_gemm_isa(void) {
 #endif
 }
 
-/* Bytes of one group's block: int8 d [8] f32, u [8 quads][8 columns][4]; int8h the same with d
- * [8] f16 (the file's, as they are: 16 bytes a block less); int4 d [8], m [8] f32,
- * nibbles [4][8 columns][4] whose low nibbles are quad j and high nibbles quad j + 4; int5 int4's,
- * then fifth bits [8 columns][4] (bit j: quad j's, so that one 32-byte load serves the block and
- * a shift and a mask take each quad's); int6 d_lo [8], d_hi [8] f32, int4's nibbles, then the
- * high bit pairs [2][8 columns][4] (bits 2 j, 2 j + 1 of the first: quad j's, of the second: quad
- * j + 4's); int4k sc [8], mc [8] u8, int4's nibbles, each super-block's blocks after its D [8]
- * and M [8] f32 (SUPER_HEAD); int5k int4k's, then int5's fifth bits; int8k d_lo
- * [8], d_hi [8], m [8] f32, u [8 quads][8 columns][4] (quads 0-3: d_lo's). The int8s are held as
- * u = q + 128 (q ^ 0x80): vpdpbusd's unsigned operand, against the signed activations, so the
- * correction 128 sum(q_x) is the activations' (one per row and half-block, QuantRow.c) and the
- * weights carry no per-column sums (4 bytes a block less: Gemma 3's Q8_0 head is 20 MiB
- * smaller). */
+/* Bytes of one group's block: int8 d [8] f32, u [8 quads][8 columns][4]; int8h the same with d [8]
+ * f16 (the file's, as they are: 16 bytes a block less); int4 d [8], m [8] f32, nibbles [4][8
+ * columns][4] whose low nibbles are quad j and high nibbles quad j + 4; int5 int4's, then fifth
+ * bits [8 columns][4] (bit j: quad j's, so that one 32-byte load serves the block and a shift and a
+ * mask take each quad's); int5h d [8] f16, then int5's nibbles and fifth bits (48 bytes a block
+ * less than int5: no m, which is -16 d); int6 d_lo [8], d_hi [8] f32, int4's nibbles, then the high
+ * bit pairs [2][8 columns][4] (bits 2 j, 2 j + 1 of the first: quad j's, of the second: quad j +
+ * 4's); int4k sc [8], mc [8] u8, int4's nibbles, each super-block's blocks after its D [8] and M
+ * [8] f32 (SUPER_HEAD); int5k int4k's, then int5's fifth bits; int8k d_lo [8], d_hi [8], m [8] f32,
+ * u [8 quads][8 columns][4] (quads 0-3: d_lo's). The int8s are held as u = q + 128 (q ^ 0x80):
+ * vpdpbusd's unsigned operand, against the signed activations, so the correction 128 sum(q_x) is
+ * the activations' (one per row and half-block, QuantRow.c) and the weights carry no per-column
+ * sums (4 bytes a block less: Gemma 3's Q8_0 head is 20 MiB smaller). */
 static int64_t group_block_bytes(int format) {
     switch (format) {
     case QUANT_INT4: return 64 + BLOCK * GROUP / 2;
     case QUANT_INT4K: return 16 + BLOCK * GROUP / 2;
     case QUANT_INT5: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 8;
-    case QUANT_INT5K: return 16 + BLOCK * GROUP / 2 + BLOCK * GROUP / 8;
+    case QUANT_INT5K:
+    case QUANT_INT5H: return 16 + BLOCK * GROUP / 2 + BLOCK * GROUP / 8;
     case QUANT_INT6: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 4;
     case QUANT_INT8K: return 96 + BLOCK * GROUP;
     case QUANT_INT8H: return 16 + BLOCK * GROUP;
@@ -108,6 +115,7 @@ static int64_t quads_offset(int format) {
     switch (format) {
     case QUANT_INT4K:
     case QUANT_INT5K:
+    case QUANT_INT5H:
     case QUANT_INT8H: return 16;
     case QUANT_INT4:
     case QUANT_INT5:
@@ -117,8 +125,8 @@ static int64_t quads_offset(int format) {
     }
 }
 
-/* fp32 scales (and offsets) per column and block: d; d, m; d_lo, d_hi, m (int4k's, int5k's and
- * int8h's are not fp32: block_scales). */
+/* fp32 scales (and offsets) per column and block: d; d, m; d_lo, d_hi, m (int4k's, int5k's,
+ * int8h's and int5h's are not fp32: block_scales). */
 static int scale_count(int format) {
     switch (format) {
     case QUANT_INT4:
@@ -139,13 +147,15 @@ static int64_t record_block_bytes(int format) {
     case QUANT_INT6: return 8 + BLOCK / 2 + 8;
     case QUANT_INT8K: return 12 + BLOCK;
     case QUANT_INT8H: return 2 + BLOCK;
+    case QUANT_INT5H: return 2 + BLOCK / 2 + 4;
     default: return 4 + BLOCK;
     }
 }
 
-/* Bits above the nibbles per element: int5 and int5k 1, int6 2 (int4 0). */
+/* Bits above the nibbles per element: int5, int5k and int5h 1, int6 2 (int4 0). */
 static int upper_width(int format) {
-    return format == QUANT_INT5 || format == QUANT_INT5K ? 1 : format == QUANT_INT6 ? 2 : 0;
+    if (format == QUANT_INT5 || format == QUANT_INT5K || format == QUANT_INT5H) return 1;
+    return format == QUANT_INT6 ? 2 : 0;
 }
 
 /* Bytes of a column record (quant_formats.record_bytes) of nb blocks: int4k's and int5k's D and M
@@ -189,7 +199,7 @@ static inline int record_nibble(const uint8_t *nibbles, int i) {
 }
 
 /* Where quad j's upper bits lie in a packed group block: the vector (after the nibbles: from byte
- * 192, int5k's 144) and the shift in each of its bytes. */
+ * 192, int5k's and int5h's 144) and the shift in each of its bytes. */
 static inline int upper_at(int format, int j) {
     return quads_offset(format) + BLOCK * GROUP / 2 + 32 * (j / (8 / upper_width(format)));
 }
@@ -254,14 +264,16 @@ static void pack_quads(uint8_t *dst, int c, const int8_t *q) {
 
 /* Block b's scales of a packed group's 8 columns, as the kernel multiplies by them: d [8], then m
  * [8] (int4, int5), d_hi [8] (int6) or d_hi and m (int8k); int4k's and int5k's products D * sc
- * and M * mc (exact: an fp16's value times an integer below 64); int8h's fp16s widened (exact). */
+ * and M * mc (exact: an fp16's value times an integer below 64); int8h's and int5h's fp16s
+ * widened, int5h's m = -16 d (exact). */
 static void block_scales(int format, const uint8_t *group, int64_t b, float scales[3 * GROUP]) {
     const uint8_t *blk = block_at(format, group, b);
-    if (format == QUANT_INT8H) {
+    if (fp16_scaled(format)) {
         for (int c = 0; c < GROUP; c++) {
             uint16_t half;
             memcpy(&half, blk + 2 * c, 2);
             scales[c] = f16_to_f32(half);
+            if (format == QUANT_INT5H) scales[GROUP + c] = -16.0f * scales[c];
         }
         return;
     }
@@ -298,7 +310,7 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
                     dst[c] = rec[8 * ns + b];
                     dst[GROUP + c] = rec[8 * ns + nb + b];
                     ints = rec + 8 * ns + 2 * nb;
-                } else if (format == QUANT_INT8H) {
+                } else if (fp16_scaled(format)) {
                     memcpy(dst + 2 * c, rec + 2 * b, 2); /* the fp16 as it is */
                     ints = rec + 2 * nb;
                 } else {
@@ -487,9 +499,12 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + GROUP))));
             wd = _mm256_mul_ps(_mm256_loadu_ps(head), sc);
             w2 = _mm256_mul_ps(_mm256_loadu_ps(head + GROUP), mc);
-        } else if (format == QUANT_INT8H) {
+        } else if (fp16_scaled(format)) {
             wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)); /* exact */
-            w2 = _mm256_setzero_ps();                                  /* unused */
+            /* int5h's m = -16 d (exact; int8h has none): int5's arithmetic from here, its
+               outputs bit for bit (the offset taken in the integer sums instead, one multiply-add
+               a row less, was 1 % slower at 16 rows on AVX2 and no faster on VNNI) */
+            w2 = _mm256_mul_ps(wd, _mm256_set1_ps(-16.0f));
         } else {
             wd = _mm256_loadu_ps((const float *)blk);
             w2 = _mm256_loadu_ps((const float *)(blk + 32));
@@ -670,7 +685,7 @@ static void group_rows(int format, const uint8_t *group, int64_t nb, const Quant
             const int8_t *xq = x[r].q + b * BLOCK;
             for (int c = 0; c < GROUP; c++) {
                 int dot = 0;
-                if (!int8_values(format) && format != QUANT_INT6) { /* int4, int5 (k): d q + m */
+                if (!int8_values(format) && format != QUANT_INT6) { /* int4, int5 (k, h): d q + m */
                     for (int i = 0; i < BLOCK; i++)
                         dot += packed_value(format, blk, c, i / 4, i % 4) * xq[i];
                     out[r][c] += wd[GROUP + c] * x[r].s[b];
@@ -732,6 +747,7 @@ static void group_out(const NarrowLinear *w, int64_t g, const QuantRow *x, int64
     case QUANT_INT6: format_rows(QUANT_INT6, group, nb, x + r0, rows, out); break;
     case QUANT_INT4K: format_rows(QUANT_INT4K, group, nb, x + r0, rows, out); break;
     case QUANT_INT5K: format_rows(QUANT_INT5K, group, nb, x + r0, rows, out); break;
+    case QUANT_INT5H: format_rows(QUANT_INT5H, group, nb, x + r0, rows, out); break;
     case QUANT_INT8K: format_rows(QUANT_INT8K, group, nb, x + r0, rows, out); break;
     case QUANT_INT8H: format_rows(QUANT_INT8H, group, nb, x + r0, rows, out); break;
     default: format_rows(QUANT_INT8, group, nb, x + r0, rows, out); break;

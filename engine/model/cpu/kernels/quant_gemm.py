@@ -23,6 +23,7 @@ FORMAT_CODES = {
     "int4k": 5,
     "int8h": 6,
     "int5k": 7,
+    "int5h": 8,
 }
 
 _typed: set[int] = set()  # libraries (by handle) whose entry points are typed
