@@ -115,6 +115,7 @@ def test_a_park_drops_the_mapped_pages_and_writes_nothing(tmp_path):
     assert packed <= moved.resident_before <= mapped.nbytes  # extents span the page padding
     assert _mapped_rss_kib(mapped.address) == 0
     assert parker.wake().copied == 0
+    assert _mapped_rss_kib(mapped.address) * 1024 >= packed  # mapped again before any step
     after = [module(x[:, : module.in_features]) for module in model]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert all(mapped.holds(module.packed.data_ptr()) for module in model)

@@ -49,8 +49,8 @@ class WeightParker:
     """Parks and wakes the weights of the objects in ``roots`` (modules and the engine's objects
     that hold weights), which live on ``device``; parked bytes go to a file under ``folder``
     (CPU) or pinned host memory (CUDA). Weights that are views of a ``mapped`` file (the packed
-    cache's) are home already: a park only drops the process's pages of it, a wake nothing (the
-    first step faults them back from the page cache)."""
+    cache's) are home already: a park only drops the process's pages of it, a wake copies nothing
+    (it maps them back from the page cache)."""
 
     def __init__(
         self,
@@ -125,6 +125,8 @@ class WeightParker:
         for packed, home in self._opaque.values():
             self._store.restore(home, _raw(packed))
         self._store.finish()
+        if self._mapped is not None:
+            self._mapped.populate()
         for extent, dest in zip(parked, dests, strict=True):
             self._awake[dest.data_ptr()] = (extent.nbytes, extent.as_bytes())
             repoint(extent, dest)
