@@ -4,9 +4,11 @@ kernel build can reach it without importing the model loader (and transformers).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # A cached file (a kernel build, a checkpoint's narrow records) nobody used for this long goes at
@@ -26,11 +28,22 @@ def remove_stale(folder: Path, pattern: str) -> None:
             continue
 
 
-def write_atomic_text(path: Path, text: str) -> None:
-    """``text`` into ``path`` under a temporary name, then renamed: readers see no file or a
-    complete one."""
+@contextlib.contextmanager
+def replaced_atomically(path: Path, suffix: str = "") -> Iterator[Path]:
+    """A temporary file beside ``path`` for the body to write, renamed onto ``path`` once the
+    body ends without an error (readers see no file or a complete one), removed in any case."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=suffix)
+    os.close(fd)
+    try:
+        yield Path(temp)
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.remove(temp)
+
+
+def write_atomic_text(path: Path, text: str) -> None:
+    """``text`` into ``path`` under a temporary name, then renamed."""
+    with replaced_atomically(path) as temp:
+        temp.write_text(text)

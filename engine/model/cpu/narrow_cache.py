@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from common.cache_dir import cache_root
-from engine.model.cache_dir import remove_stale
+from engine.model.cache_dir import remove_stale, replaced_atomically
 from engine.model.cpu.quant_formats import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -86,13 +85,7 @@ def save(path: Path, choices: dict[str, Choice]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(path.parent, "*.safetensors")
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
-        os.close(fd)
-        try:
-            save_file(tensors, temp, metadata={"choices": json.dumps(entries)})
-            os.replace(temp, path)
-        finally:
-            if os.path.exists(temp):
-                os.remove(temp)
+        with replaced_atomically(path, ".safetensors") as temp:
+            save_file(tensors, str(temp), metadata={"choices": json.dumps(entries)})
     except OSError as exc:
         log.warning("narrow weights not cached in %s: %s", path.parent, exc)

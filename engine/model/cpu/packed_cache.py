@@ -23,13 +23,12 @@ import json
 import logging
 import mmap
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from engine.model.cache_dir import remove_stale
+from engine.model.cache_dir import remove_stale, replaced_atomically
 from engine.model.cpu.kernels import quant_gemm
 from engine.model.cpu.quant_formats import QuantizedWeight
 
@@ -181,15 +180,9 @@ def _write(path: Path, weights: list[tuple[Entry, torch.Tensor]]) -> None:
     header = MAGIC + len(index).to_bytes(8, "little") + index
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(path.parent, "*.bin")
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".bin")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            for (_, _, _, start, _), (_, packed) in zip(entries, weights, strict=True):
-                f.seek(start)
-                f.write(memoryview(packed.contiguous().numpy()))
-            f.truncate(data_start + end)
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
+    with replaced_atomically(path, ".bin") as temp, temp.open("wb") as f:
+        f.write(header)
+        for (_, _, _, start, _), (_, packed) in zip(entries, weights, strict=True):
+            f.seek(start)
+            f.write(memoryview(packed.contiguous().numpy()))
+        f.truncate(data_start + end)

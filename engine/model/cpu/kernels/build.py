@@ -23,14 +23,13 @@ import os
 import platform
 import shlex
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from common.cache_dir import cache_root
-from engine.model.cache_dir import remove_stale
+from engine.model.cache_dir import remove_stale, replaced_atomically
 
 log = logging.getLogger(__name__)
 
@@ -240,20 +239,14 @@ def _build(compiler: list[str], variant: str = "native") -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     remove_stale(folder, "cpu_kernels-*.so")
-    fd, temp = tempfile.mkstemp(dir=folder, prefix=".cpu_kernels-", suffix=".so")
-    os.close(fd)
-    try:
+    with replaced_atomically(target, ".so") as temp:
         subprocess.run(
-            [*compiler, *flags, "-o", temp, *map(str, _SOURCES), *_LIBS],
+            [*compiler, *flags, "-o", str(temp), *map(str, _SOURCES), *_LIBS],
             capture_output=True,
             text=True,
             check=True,
             timeout=_BUILD_TIMEOUT_S,
         )
-        os.replace(temp, target)
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
     return target
 
 
