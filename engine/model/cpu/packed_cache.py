@@ -154,7 +154,6 @@ class PackedSlots:
             return None
         for index, (module, _, _) in enumerate(self._built):
             module.packed = mapped.view(index)
-        self._built = [(m, e, mapped.view(i)) for i, (m, e, _) in enumerate(self._built)]
         return mapped
 
 
