@@ -15,11 +15,11 @@ tokenizer (AutoTokenizer, not a converted tokenizer.json) are left to the engine
 from __future__ import annotations
 
 import gc
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.processes import rss_bytes
 from engine.errors import ModelLoadError
 from engine.model.host_memory import trim_heap
 from engine.model.kept_tokenizers import forget, kept_tokenizer
@@ -52,14 +52,14 @@ class TokenizerShelf:
         if folder in self._shelved:
             self._shelved[folder].last_used = time.monotonic()
             return folder, None
-        began, before = time.monotonic(), _resident_bytes()
+        began, before = time.monotonic(), rss_bytes() or 0
         try:
             kept_tokenizer(folder)
         except (OSError, ValueError, KeyError, RuntimeError) as error:
             return None, f"tokenizer in {folder} not built (its engine builds it): {error}"
         gc.collect()  # what building left for the collector, before the engines fork
         trim_heap()
-        nbytes = max(0, _resident_bytes() - before)
+        nbytes = max(0, (rss_bytes() or 0) - before)
         self._shelved[folder] = _Shelved(nbytes, last_used=time.monotonic())
         took = time.monotonic() - began
         return folder, f"tokenizer in {folder} built for its engines: {took:.2f}s, {_mib(nbytes)}"
@@ -119,11 +119,6 @@ def _converted_folder(argv: list[str], cwd: str | None) -> Path | None:
         return known_gguf_dir(folder / name) if name else None
     except (ModelLoadError, OSError):
         return None
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _mib(nbytes: int) -> str:

@@ -74,7 +74,7 @@ def two_folders(smollm2_folder, tmp_path, monkeypatch) -> dict[str, Path]:
     folders = {"a": smollm2_folder, "b": other}
     monkeypatch.setattr(tokenizers, "_converted_folder", lambda argv, cwd: folders[argv[1]])
     resident = iter(range(0, 100 * MIB * 100, 100 * MIB))  # read before and after a build
-    monkeypatch.setattr(tokenizers, "_resident_bytes", lambda: next(resident))
+    monkeypatch.setattr(tokenizers, "rss_bytes", lambda: next(resident))
     return folders
 
 
