@@ -36,12 +36,13 @@ def _load(path: Path, weights: list[QuantizedWeight]) -> tuple[nn.ModuleList, Pa
     return model, slots
 
 
-def _mapped_rss_kib(address: int) -> int:
-    """Rss of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+def mapping_kib(address: int, field: str) -> int:
+    """``field`` (Rss, Pss, ...) in KiB of this process's mapping that starts at ``address``
+    (/proc/self/smaps); the child process below reads its own with it too."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     for at, line in enumerate(lines):
         if line.split("-")[0] == f"{address:x}":
-            return next(int(r.split()[1]) for r in lines[at + 1 :] if r.startswith("Rss:"))
+            return next(int(r.split()[1]) for r in lines[at + 1 :] if r.startswith(f"{field}:"))
     raise AssertionError("no such mapping")
 
 
@@ -107,15 +108,15 @@ def test_a_park_drops_the_mapped_pages_and_writes_nothing(tmp_path):
     mapped = slots.finish()
     x = torch.randn(2, 512)
     before = [module(x[:, : module.in_features]) for module in model]
-    assert _mapped_rss_kib(mapped.address) > 0
+    assert mapping_kib(mapped.address, "Rss") > 0
     parker = WeightParker([model], CPU, tmp_path / "park", mapped)
     moved = parker.park()
     assert moved.copied == 0  # nothing written: the file is their home
     packed = sum(module.packed.numel() for module in model)
     assert packed <= moved.resident_before <= mapped.nbytes  # extents span the page padding
-    assert _mapped_rss_kib(mapped.address) == 0
+    assert mapping_kib(mapped.address, "Rss") == 0
     assert parker.wake().copied == 0
-    assert _mapped_rss_kib(mapped.address) * 1024 >= packed  # mapped again before any step
+    assert mapping_kib(mapped.address, "Rss") * 1024 >= packed  # mapped again before any step
     after = [module(x[:, : module.in_features]) for module in model]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert all(mapped.holds(module.packed.data_ptr()) for module in model)
@@ -125,12 +126,11 @@ CHILD = """
 import sys
 from pathlib import Path
 from engine.model.cpu.packed_cache import open_mapped
+from tests.engine.test_packed_cache import mapping_kib
 mapped = open_mapped(Path(sys.argv[1]))
 total = sum(int(mapped.view(i).sum()) for i in range(len(mapped.entries)))  # every page read
-lines = Path("/proc/self/smaps").read_text().splitlines()
-at = next(i for i, line in enumerate(lines) if line.split("-")[0] == f"{mapped.address:x}")
-fields = dict(r.split(":")[0:2] for r in lines[at + 1 : at + 20] if ":" in r)
-print(int(fields["Rss"].split()[0]), int(fields["Pss"].split()[0]), total)
+rss, pss = (mapping_kib(mapped.address, field) for field in ("Rss", "Pss"))
+print(rss, pss, total)
 sys.stdout.flush()
 sys.stdin.read()  # holds its mapping until the parent has measured
 """
