@@ -3,33 +3,55 @@
 The Rust library builds Gemma 3's 262,144-token tokenizer from its tokenizer.json in 1-1.5 s and
 keeps ~90 MiB of it. An engine template (engine.template.tokenizers) builds the tokenizer of a
 converted GGUF before it forks that model's engine: the engine finds it kept here, built, and
-shares its pages with the template and with every other engine of the same file.
+shares its pages with the template and with every other engine of the same file. An engine that
+converts a GGUF itself (its first start) keeps the tokenizer the conversion built (`keep_built`)
+instead of reading back the tokenizer.json it has just written.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 TOKENIZER_FILE = "tokenizer.json"
 
-# folder -> (its tokenizer.json's size and mtime when built, the tokenizer)
-_kept: dict[Path, tuple[tuple[int, int], Any]] = {}
+# what a tokenizer was built from: its tokenizer.json, or the conversion that wrote that file
+FROM_FILE, FROM_CONVERSION = "tokenizer.json", "conversion"
 
 
-def kept_tokenizer(folder: Path) -> tuple[Any, bool]:
-    """(the shareable tokenizer converted into ``folder``, whether this process had built it
-    already: in an engine forked from a template, the template did)."""
+@dataclass
+class _Kept:
+    identity: tuple[int, int]  # the tokenizer.json's size and mtime when built
+    tokenizer: Any
+    built_from: str  # FROM_FILE or FROM_CONVERSION
+
+
+_kept: dict[Path, _Kept] = {}  # by folder
+
+
+def kept_tokenizer(folder: Path) -> tuple[Any, str | None]:
+    """(the shareable tokenizer converted into ``folder``, what it was built from where this
+    process had built it already, else None): in an engine forked from a template, the template
+    built it from the file; in an engine that converted the GGUF, the conversion built it."""
     key, identity = folder.resolve(), _identity(folder)
     kept = _kept.get(key)
-    if kept is not None and kept[0] == identity:
-        return kept[1], True
+    if kept is not None and kept.identity == identity:
+        return kept.tokenizer, kept.built_from
     tokenizer = shareable_tokenizer(converted_tokenizer(folder))
-    _kept[key] = (identity, tokenizer)
-    return tokenizer, False
+    _kept[key] = _Kept(identity, tokenizer, FROM_FILE)
+    return tokenizer, None
+
+
+def keep_built(folder: Path, backend: Tokenizer) -> None:
+    """Keep, as ``folder``'s tokenizer, the one around ``backend``: the Rust tokenizer whose
+    serialisation is ``folder``'s tokenizer.json, built by the conversion that wrote it."""
+    tokenizer = shareable_tokenizer(converted_tokenizer(folder, backend))
+    _kept[folder.resolve()] = _Kept(_identity(folder), tokenizer, FROM_CONVERSION)
 
 
 def forget(folder: Path) -> None:
@@ -42,17 +64,25 @@ def _identity(folder: Path) -> tuple[int, int]:
     return stat.st_size, stat.st_mtime_ns
 
 
-def converted_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+def converted_tokenizer(folder: Path, backend: Tokenizer | None = None) -> PreTrainedTokenizerFast:
     """The tokenizer engine.model.loader converted into ``folder``, built by the Rust library
-    straight from its tokenizer.json. AutoTokenizer would parse that JSON in Python too and
-    rebuild the Rust tokenizer from its vocabulary through the family's class (GemmaTokenizer,
-    ...), whose code only runs at such a construction: what it built is what the file holds.
-    Seconds less for a large vocabulary (docs/PERFORMANCE.md#model-loading)."""
+    straight from its tokenizer.json, or around ``backend``, that file's tokenizer already built.
+    AutoTokenizer would parse that JSON in Python too and rebuild the Rust tokenizer from its
+    vocabulary through the family's class (GemmaTokenizer, ...), whose code only runs at such a
+    construction: what it built is what the file holds. Seconds less for a large vocabulary
+    (docs/PERFORMANCE.md#model-loading)."""
     settings = json.loads((folder / "tokenizer_config.json").read_text())
     template = folder / "chat_template.jinja"
     if template.is_file():
         settings["chat_template"] = template.read_text()
-    return PreTrainedTokenizerFast(tokenizer_file=str(folder / TOKENIZER_FILE), **settings)
+    if backend is None:
+        return PreTrainedTokenizerFast(tokenizer_file=str(folder / TOKENIZER_FILE), **settings)
+    # transformers deep-copies a `tokenizer_object` (a JSON round trip, as slow as the file); a
+    # backend set before __init__ is its hook for classes that build their own, taken as it is
+    tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
+    tokenizer._tokenizer = backend
+    PreTrainedTokenizerFast.__init__(tokenizer, **settings)
+    return tokenizer
 
 
 def shareable_tokenizer(tokenizer: Any) -> Any:

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub lookups; local_files_only enforces it too
 
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -39,7 +41,13 @@ from engine.model.cpu.gguf_weights import GgufWeights
 from engine.model.cpu.linear import native_bf16
 from engine.model.cpu.narrow_weights import check_quantization, narrow_mode
 from engine.model.gguf_reads import fast_gguf_reads
-from engine.model.kept_tokenizers import kept_tokenizer, shareable_tokenizer
+from engine.model.kept_tokenizers import (
+    FROM_CONVERSION,
+    FROM_FILE,
+    keep_built,
+    kept_tokenizer,
+    shareable_tokenizer,
+)
 from engine.model.model_source import split_source
 
 if TYPE_CHECKING:  # transformers' modeling imports torch._dynamo: only where a model runs it
@@ -118,26 +126,52 @@ def known_gguf_dir(gguf_path: Path) -> Path | None:
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
-    """The cached config and tokenizer of ``gguf_path``, converting (once) when missing."""
+    """The cached config and tokenizer of ``gguf_path``, converting (once) when missing. A
+    conversion keeps the tokenizer it built for this process (kept_tokenizers.keep_built)."""
     known = known_gguf_dir(gguf_path)
     if known is not None:
         return known
     root = cache_root()
-    index = root / "gguf-index" / f"{_stat_key(gguf_path)}.json"
+    identity = _stat_key(gguf_path)
     started = time.monotonic()
-    sha = file_sha256(gguf_path)
-    target = root / "gguf-metadata" / sha
-    if not (target / "config.json").is_file():
-        _convert_gguf(gguf_path, target)
-        if file_sha256(gguf_path) != sha:  # the file changed under us: don't keep a mislabeled copy
-            shutil.rmtree(target, ignore_errors=True)
+    (root / "gguf-metadata").mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root / "gguf-metadata", prefix=".tmp-"))
+    try:
+        # hashlib lets go of the GIL: the file hashes on another core while the metadata converts
+        # (so bytes converted before under another path convert again, in the hash's time)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            hashing = pool.submit(file_sha256, gguf_path)
+            backend = _convert_gguf(gguf_path, staging / "converted")
+            sha = hashing.result()
+        if _stat_key(gguf_path) != identity:  # changed under us: don't keep a mislabeled copy
             raise ModelLoadError(f"GGUF file {str(gguf_path)!r} changed while being converted")
-        log.info("converted %s into %s in %.1fs", gguf_path, target, time.monotonic() - started)
-    write_atomic_text(index, json.dumps({"sha256": sha, "path": str(gguf_path.resolve())}))
+        target = root / "gguf-metadata" / sha
+        if not (target / "config.json").is_file():
+            _publish(staging / "converted", target)
+            log.info("converted %s into %s in %.1fs", gguf_path, target, time.monotonic() - started)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if backend is not None:  # the same tokenizer.json as target's, whoever wrote that
+        keep_built(target, backend)
+    write_atomic_text(
+        root / "gguf-index" / f"{identity}.json",
+        json.dumps({"sha256": sha, "path": str(gguf_path.resolve())}),
+    )
     return target
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
+def _publish(converted: Path, target: Path) -> None:
+    try:
+        os.replace(converted, target)  # atomic: readers see no copy or a complete one
+    except OSError:
+        if not (target / "config.json").is_file():  # another process may have won the race
+            raise
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> Tokenizer | None:
+    """Write the config and tokenizer of ``gguf_path`` into the new folder ``target``; returns
+    the Rust tokenizer its tokenizer.json serialises where it built that itself (None where
+    transformers converted it)."""
     if importlib.util.find_spec("gguf") is None:
         raise ModelLoadError(
             "loading a GGUF file needs the `gguf` package: pip install 'gguf>=0.17'", param="model"
@@ -155,16 +189,10 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         raise ModelLoadError(f"cannot load GGUF file {str(gguf_path)!r}: {exc}") from exc
     if hasattr(hf_config, "quantization_config"):  # the weights come from the file, as they are
         del hf_config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        hf_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: readers see no copy or a complete one
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():  # another process may have won the race
-            raise
+    target.mkdir(parents=True)
+    hf_config.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return tokenizer.tokenizer if isinstance(tokenizer, gguf_tokenizer.GgufTokenizer) else None
 
 
 def _gguf_tokenizer(
@@ -354,9 +382,11 @@ def _tokenizer(source: Path, converted: bool) -> Any:
     an engine template forked this engine), else the folder's through transformers."""
     if not converted:
         return shareable_tokenizer(AutoTokenizer.from_pretrained(source, local_files_only=True))
-    tokenizer, kept = kept_tokenizer(source)
-    if kept:
+    tokenizer, built_from = kept_tokenizer(source)
+    if built_from == FROM_FILE:
         log.info("tokenizer: the one the engine template built, shared with it")
+    elif built_from == FROM_CONVERSION:
+        log.info("tokenizer: the one the conversion of the GGUF built")
     return tokenizer
 
 

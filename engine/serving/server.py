@@ -51,9 +51,11 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
 async def _serve(config: EngineConfig, options: ServerOptions) -> int:
     from engine.core.engine_core import EngineCore  # imports torch: only in the serving process
 
-    engine = AsyncEngine(
-        lambda: EngineCore(config), options.served_model_names[0], max_queue=config.max_queue
-    )
+    def load() -> EngineCore:
+        with startup.collector_paused():
+            return EngineCore(config)
+
+    engine = AsyncEngine(load, options.served_model_names[0], max_queue=config.max_queue)
     settings = ServerSettings(
         options.served_model_names,
         options.max_body_bytes,

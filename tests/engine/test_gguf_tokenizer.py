@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import SentencePieceBPETokenizer
+from tokenizers import SentencePieceBPETokenizer, Tokenizer
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import generate_merges
 
@@ -169,6 +169,7 @@ class _Conversions:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.done: dict[str, tuple[Path, Path, PreTrainedTokenizerFast]] = {}
+        self.backends: dict[str, Tokenizer | None] = {}  # what the loader's conversion built
 
     def of(self, name: str) -> tuple[Path, Path, PreTrainedTokenizerFast]:
         if name not in self.done:
@@ -177,7 +178,7 @@ class _Conversions:
                 pytest.skip(f"{real.name} not fetched")
             path = real or _tiny_gguf(self.root / name, name)
             ours = self.root / f"{name}-ours"
-            loader._convert_gguf(path, ours)
+            self.backends[name] = loader._convert_gguf(path, ours)
             theirs = self.root / f"{name}-transformers"
             self.done[name] = (ours, theirs, _transformers_conversion(path, theirs))
         return self.done[name]
@@ -204,9 +205,18 @@ def test_the_converted_tokenizer_encodes_as_transformers(
     name: str, conversions: _Conversions
 ) -> None:
     """Equal files make equal tokenizers; this checks what the engine loads from them on text
-    that exercises each part: special tokens, byte fallback, runs of spaces, digits, emoji."""
+    that exercises each part: special tokens, byte fallback, runs of spaces, digits, emoji.
+    Both ways the engine builds one: from the file, and around the conversion's own tokenizer
+    (an engine's first start), which serialises as the file does."""
     ours, _, reference = conversions.of(name)
     built = kept_tokenizers.converted_tokenizer(ours)
+    backend = conversions.backends[name]
+    assert backend is not None  # every tokenizer here is one the loader converts itself
+    kept = kept_tokenizers.converted_tokenizer(ours, backend)
+    assert kept.backend_tokenizer is backend
+    assert kept.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
+    assert kept.special_tokens_map == built.special_tokens_map
+    assert kept.chat_template == built.chat_template
     specials = "".join(reference.all_special_tokens[:8])
     texts = [
         (Path(__file__).resolve().parents[1] / "data" / "apache-2.0.txt").read_text()[:2000],
@@ -216,8 +226,8 @@ def test_the_converted_tokenizer_encodes_as_transformers(
     ]
     for text in texts:
         ids = reference(text)["input_ids"]
-        assert built(text)["input_ids"] == ids
-        assert built.decode(ids) == reference.decode(ids)
+        assert built(text)["input_ids"] == ids and kept(text)["input_ids"] == ids
+        assert built.decode(ids) == reference.decode(ids) == kept.decode(ids)
 
 
 def test_the_config_reads_as_with_ggufs_own_reader(tmp_path: Path) -> None:

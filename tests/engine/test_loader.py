@@ -114,14 +114,15 @@ def test_gguf_cache_keyed_by_content(
     assert converted_gguf_dir(original) == first  # restart: no conversion, no re-hashing
     assert convert.calls == [original] and hashes == []
 
-    copy = tmp_path / "copy.gguf"  # same bytes elsewhere: hashed once, same converted copy
-    copy.write_bytes(original.read_bytes())
+    copy = tmp_path / "copy.gguf"  # same bytes elsewhere: converted beside the hash, then
+    copy.write_bytes(original.read_bytes())  # found converted: the same cached copy
     assert converted_gguf_dir(copy) == first
-    assert convert.calls == [original]
+    assert convert.calls == [original, copy]
+    assert json.loads((first / "config.json").read_text()) == {"from": original.name}
 
     original.write_bytes(os.urandom(3001))  # new content: a new conversion
     second = converted_gguf_dir(original)
-    assert second != first and convert.calls == [original, original]
+    assert second != first and convert.calls == [original, copy, original]
     assert not list((cache_dir / "gguf-metadata").glob(".tmp-*"))
 
 
@@ -149,6 +150,9 @@ def test_smollm2_gguf_converts_once_then_loads_fast(
     assert Path(first.source).parent == cache_dir / "gguf-metadata"
     assert first.eos_token_ids == {2}
     assert first.tokenizer.chat_template
+    # the conversion's own tokenizer, not one read back from the tokenizer.json it wrote
+    kept = kept_tokenizers.kept_tokenizer(Path(first.source))
+    assert kept == (first.tokenizer, kept_tokenizers.FROM_CONVERSION)
 
     def no_conversion(*args: object) -> None:
         raise AssertionError("converted again")

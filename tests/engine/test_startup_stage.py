@@ -4,8 +4,10 @@ model loads (the gateway's load progress reads it: gateway/engines/progress.py).
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import aiohttp
 import pytest
@@ -67,3 +69,27 @@ async def test_status_answers_the_stage_while_the_model_loads(tokenizer):
     finally:
         gate.set()
         await srv.stop()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_collector_is_paused_while_loading_then_what_lives_is_frozen():
+    """No cyclic collection runs during the load; garbage the load left is collected after it,
+    and what it built is kept out of every later pass."""
+    assert gc.isenabled()
+    try:
+        with startup.collector_paused():
+            assert not gc.isenabled()
+            garbage = _Cycle()
+            collected = weakref.ref(garbage)
+            del garbage
+            assert collected() is not None  # only a collection frees a cycle
+            kept = _Cycle()
+        assert gc.isenabled() and collected() is None
+        assert "garbage collection" in startup.phases()
+        assert gc.is_tracked(kept) and not any(o is kept for o in gc.get_objects())  # frozen
+    finally:
+        gc.unfreeze()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.model import kept_tokenizers
-from engine.model.kept_tokenizers import converted_tokenizer, kept_tokenizer
+from engine.model.kept_tokenizers import FROM_FILE, converted_tokenizer, kept_tokenizer
 from engine.model.loader import converted_gguf_dir
 from engine.template import tokenizers
 from engine.template.tokenizers import TokenizerShelf
@@ -33,10 +33,10 @@ def test_an_engine_of_a_converted_gguf_finds_its_tokenizer_built_once(smollm2_gg
     shelf = TokenizerShelf()
     folder, line = shelf.prepare(["--model", str(smollm2_gguf), "--port", "1"], None)
     assert folder == smollm2_folder and line is not None and "built for its engines" in line
-    tokenizer, kept = kept_tokenizer(folder)  # what the forked engine's loader calls
-    assert kept
+    tokenizer, built_from = kept_tokenizer(folder)  # what the forked engine's loader calls
+    assert built_from == FROM_FILE
     again, line = shelf.prepare(["--model", str(smollm2_gguf)], None)
-    assert again == folder and line is None and kept_tokenizer(folder) == (tokenizer, True)
+    assert again == folder and line is None and kept_tokenizer(folder) == (tokenizer, FROM_FILE)
     fresh = converted_tokenizer(folder)
     text = "Hello, world! <|im_start|>user\n 1234 ünï 🤖"
     assert tokenizer(text)["input_ids"] == fresh(text)["input_ids"]
