@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model.attention.backends import select_backend
 from engine.model.attention.metadata import AttentionMetadata
+from engine.model.cache_dir import wait_for_writes
 from engine.model.cpu.fast_path import prepare_cpu_fast_path
 from engine.model.fast_norms import fuse_rms_norms
 from engine.model.footprint import MemoryFootprint, ParkRecord, activation_estimate
@@ -108,6 +109,8 @@ class ModelRunner:
         self.sleeping = False
         self._park_record = ParkRecord()
         self._weights_bytes = self.parker.resident_bytes()
+        with startup.phase("cache writes"):  # started by the load, finished while it went on
+            wait_for_writes()
         # The load's garbage (the tokenizer's parsed JSON, the probes' and conversions' buffers)
         # sits in glibc's heap below its mmap threshold, counted in RSS until trimmed: 45 MB
         # for Gemma 3 270M.

@@ -4,6 +4,7 @@ the engine running on them (lean forward included)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -213,3 +214,20 @@ def test_cache_files_nobody_read_for_two_weeks_go_at_the_next_write(tmp_path):
     assert not old.exists() and kept.exists() and new.exists()
     loaded_weight, native = narrow_cache.load(new)["w"]
     assert not native and torch.equal(loaded_weight.records, weight.records)
+
+
+def test_a_cache_write_behind_the_load_is_joined_before_its_file_is_read(tmp_path):
+    """The records' file is written on a thread of its own while the load goes on; the next
+    load (or the engine, before it is ready) waits for it."""
+    gate, written = threading.Event(), []
+
+    def slow_write() -> None:
+        gate.wait(10)
+        written.append(True)
+
+    cache_dir.write_behind(slow_write)
+    assert written == []  # the load went on
+    gate.set()
+    cache_dir.wait_for_writes()
+    assert written == [True]
+    cache_dir.wait_for_writes()  # nothing left to join

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine.model.cpu import packed_cache
 from engine.model.cpu.kernels import quant_gemm
 from engine.model.cpu.packed_cache import PackedSlots, open_mapped
 from engine.model.cpu.quant_formats import QuantizedWeight, quantize
@@ -75,8 +76,8 @@ def test_a_file_that_does_not_match_the_load_is_packed_again_and_rewritten(tmp_p
     _, slots = _load(path, _weights())
     slots.finish()
     changed = [(256, 128, "int8"), (1024, 256, "int8"), (512, 512, "int8")]  # the 2nd's format
-    model, slots = _load(path, _weights(changed))
-    assert [slots.mapped.holds(m.packed.data_ptr()) for m in model] == [True, False, True]
+    model, slots = _load(path, _weights(changed))  # from the 2nd on, into a new file
+    assert [slots.mapped.holds(m.packed.data_ptr()) for m in model] == [True, False, False]
     mapped = slots.finish()
     assert mapped is not None and all(mapped.holds(m.packed.data_ptr()) for m in model)
     assert [e[0] for e in open_mapped(path).entries] == ["int8"] * 3
@@ -157,14 +158,55 @@ def test_two_processes_mapping_one_file_share_its_pages(tmp_path):
     assert pss <= rss * 0.6  # two processes map the same page-cache pages: half each
 
 
-def test_where_the_file_cannot_be_written_the_modules_keep_their_own(tmp_path, monkeypatch):
-    def disk_full(*_):
-        raise OSError(28, "No space left on device")
+@pytest.mark.parametrize("fails_at", [0, 2])
+def test_where_the_file_cannot_be_written_the_modules_keep_their_own(
+    tmp_path, monkeypatch, fails_at
+):
+    """A full disk when the first or a later weight's pages are reserved: no file is left, and
+    every module holds its packed bytes in a buffer of its own."""
+    reserve = packed_cache.os.posix_fallocate
+    calls = []
 
-    monkeypatch.setattr("engine.model.cpu.packed_cache._write", disk_full)
+    def disk_full(fd, offset, size):
+        calls.append(offset)
+        if len(calls) > fails_at:
+            raise OSError(28, "No space left on device")
+        reserve(fd, offset, size)
+
+    monkeypatch.setattr(packed_cache.os, "posix_fallocate", disk_full)
     weights = _weights()
     model, slots = _load(tmp_path / "w.bin", weights)
-    assert slots.finish() is None and not (tmp_path / "w.bin").exists()
+    assert slots.finish() is None and list(tmp_path.iterdir()) == []
     lib = quant_gemm.library()
     for module, weight in zip(model, weights, strict=True):
         assert torch.equal(module.packed, quant_gemm.pack(lib, weight))
+        assert module.packed.untyped_storage().nbytes() == module.packed.numel()  # its own
+
+
+def test_a_load_that_fails_leaves_no_file_behind(tmp_path):
+    _, slots = _load(tmp_path / "w.bin", _weights())
+    assert len(list(tmp_path.iterdir())) == 1  # being written, under a temporary name
+    slots.abandon()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _mapping_of(address: int) -> tuple[str, str]:
+    """(permissions, file) of this process's mapping that holds ``address`` (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(bound, 16) for bound in fields[0].split("-"))
+        if low <= address < high:
+            return fields[1], fields[5] if len(fields) > 5 else ""
+    raise AssertionError("no such mapping")
+
+
+def test_each_weight_is_packed_into_the_new_files_pages(tmp_path):
+    """No buffer of the load's own then a copy: while the load goes on, each module's bytes are
+    pages of the file being written (a shared mapping); finishing maps the complete file."""
+    model, slots = _load(tmp_path / "w.bin", _weights())
+    (temp,) = tmp_path.iterdir()
+    for module in model:
+        assert _mapping_of(module.packed.data_ptr()) == ("rw-s", str(temp))
+    mapped = slots.finish()
+    assert mapped is not None and all(mapped.holds(m.packed.data_ptr()) for m in model)
+    assert [p.name for p in tmp_path.iterdir()] == ["w.bin"]

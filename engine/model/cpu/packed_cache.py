@@ -8,10 +8,11 @@ its ranges to the modules: nothing to pack, and every engine of the file reads t
 page-cache pages, its PSS counting a share, as llama.cpp's processes share a GGUF's pages. A park
 drops the process's pages of the file (it holds the bytes already); a wake faults them back.
 
-A file: ``MAGIC``, the index's length (8 bytes, little-endian), the index (JSON: one
-``[format, n, k, offset, nbytes]`` per packed weight, in the order the load builds them), then
-each buffer at a page-aligned offset. An entry that does not match what the load builds (format,
-shape) makes the load pack everything and write the file again; a file cut short is ignored.
+A file: a page holding ``MAGIC`` and the index's offset and length (8 bytes each,
+little-endian); each buffer at a page-aligned offset; then the index (JSON: one ``[format, n, k,
+offset, nbytes]`` per packed weight, in the order the load builds them), written last. A load
+packs into a new file's pages as it goes (`_NewFile`). An entry that does not match what the
+load builds (format, shape) makes the load write the file again; a file cut short is ignored.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from engine.model.cpu.quant_formats import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"MYPACK01"
+MAGIC = b"MYPACK02"
 _PAGE = 4096
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value; 3.11 lacks the name
 
@@ -92,11 +93,13 @@ class MappedFile:
 def _index(mapping: mmap.mmap) -> list[list]:
     if mapping[: len(MAGIC)] != MAGIC:
         raise ValueError("not a packed-weights file")
-    start = len(MAGIC) + 8
-    length = int.from_bytes(mapping[len(MAGIC) : start], "little")
-    entries = json.loads(mapping[start : start + length])
+    at = int.from_bytes(mapping[len(MAGIC) : len(MAGIC) + 8], "little")
+    length = int.from_bytes(mapping[len(MAGIC) + 8 : len(MAGIC) + 16], "little")
+    if at + length > len(mapping):
+        raise ValueError("a packed-weights index outside its file")
+    entries = json.loads(mapping[at : at + length])
     for fmt, _, _, offset, nbytes in entries:
-        if not (isinstance(fmt, str) and offset % _PAGE == 0 and offset + nbytes <= len(mapping)):
+        if not (isinstance(fmt, str) and offset % _PAGE == 0 and offset + nbytes <= at):
             raise ValueError("a packed-weights entry outside its file")
     return entries
 
@@ -113,48 +116,105 @@ def open_mapped(path: Path) -> MappedFile | None:
 
 class PackedSlots:
     """The packed weights of one load, in the order its QuantizedLinears are built: each a view
-    of the cached file where its entry matches, else packed here. `finish` writes the file when
-    any was packed and points every module at it; the load then holds no private copy."""
+    of the cached file where its entry matches, else packed here, straight into a new file's
+    pages (the entries before it copied there) or, without one, into a buffer of its own.
+    `finish` completes the new file and points every module at it: the load then holds no
+    private copy. Call `abandon` where the load fails before `finish`."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path | None) -> None:
         self._lib, self.path = lib, path
         self.mapped = open_mapped(path) if path is not None else None
         self._built: list[tuple[nn.Module, Entry, torch.Tensor]] = []
-        self._packed_here = 0
+        self._new: _NewFile | None = None
+        self._unwritable = path is None  # no file to write: own buffers
 
     def pack(self, module: nn.Module, weight: QuantizedWeight) -> torch.Tensor:
         """``weight`` in the kernel's layout for ``module``, which keeps it as ``packed``."""
         entry = (weight.fmt, weight.out_features, weight.in_features)
         index = len(self._built)
-        if self.mapped is not None and self.mapped.matches(index, entry):
+        if self._new is None and self.mapped is not None and self.mapped.matches(index, entry):
             packed = self.mapped.view(index)
         else:
-            packed = quant_gemm.pack(self._lib, weight)
-            self._packed_here += 1
+            slot = self._slot(entry, quant_gemm.packed_bytes(self._lib, weight))
+            packed = quant_gemm.pack(self._lib, weight, slot)
         self._built.append((module, entry, packed))
         return packed
 
     def finish(self) -> MappedFile | None:
-        """The file every module's weight is a view of now (written first where the load packed
-        any), or None where it cannot be written (the modules keep their own buffers)."""
-        if not self._built:
-            return None
-        mapped = self.mapped
-        if mapped is not None and not self._packed_here and len(mapped.entries) == len(self._built):
-            return mapped
-        if self.path is None:
-            return None
+        """The file every module's weight is a view of now (completed first where the load
+        packed any, or rewritten where it holds more entries than the load built), or None where
+        it cannot be written (the modules keep buffers of their own)."""
         try:
-            _write(self.path, [(entry, packed) for _, entry, packed in self._built])
-        except OSError as exc:
-            log.warning("packed weights not cached in %s: %s", self.path.parent, exc)
+            return self._finish()
+        finally:
+            self._built = []  # the new file's own mappings go with the last view of them
+
+    def _finish(self) -> MappedFile | None:
+        mapped = self.mapped
+        if not self._built or self._unwritable:
             return None
-        mapped = open_mapped(self.path)
+        if self._new is None and mapped is not None and len(mapped.entries) == len(self._built):
+            return mapped
+        if self._new is None:  # an entry too many: the file written again without it
+            self._start_new_file()
+            if self._new is None:
+                return None
+        new, self._new = self._new, None
+        try:
+            new.complete()
+            mapped = open_mapped(new.path)
+        except OSError as exc:
+            new.remove()
+            self._give_up(exc)
+            return None
         if mapped is None:
+            self._own_buffers()
             return None
         for index, (module, _, _) in enumerate(self._built):
             module.packed = mapped.view(index)
         return mapped
+
+    def abandon(self) -> None:
+        """Remove the new file, unfinished (the load failed)."""
+        if self._new is not None:
+            self._new.remove()
+            self._new = None
+
+    def _slot(self, entry: Entry, nbytes: int) -> torch.Tensor | None:
+        """Where to pack an entry of ``nbytes``: the new file's pages, or None (a buffer)."""
+        if self._new is None and not self._unwritable:
+            self._start_new_file()
+        if self._new is None:
+            return None
+        try:
+            return self._new.slot(entry, nbytes)
+        except OSError as exc:
+            self._give_up(exc)
+            return None
+
+    def _start_new_file(self) -> None:
+        """A new file, holding the entries built so far (copied from the old one)."""
+        assert self.path is not None
+        try:
+            self._new = _NewFile(self.path)
+            for _, entry, packed in self._built:
+                self._new.slot(entry, packed.numel()).copy_(packed)
+        except OSError as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: OSError) -> None:
+        log.warning("packed weights not cached in %s: %s", self.path.parent, exc)
+        self._unwritable = True
+        self.abandon()
+        self._own_buffers()
+
+    def _own_buffers(self) -> None:
+        """Every module's weight in a buffer of its own: none is a view of a file that a park
+        could take for the cached one (the new file is removed, or never renamed into place)."""
+        for at, (module, entry, packed) in enumerate(self._built):
+            own = packed.clone()
+            module.packed = own
+            self._built[at] = (module, entry, own)
 
 
 def _pages(nbytes: int) -> int:
@@ -162,26 +222,41 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // _PAGE) * _PAGE
 
 
-def _write(path: Path, weights: list[tuple[Entry, torch.Tensor]]) -> None:
-    """The file, under a temporary name then renamed: readers see no file or a complete one."""
-    relative, end = [], 0
-    for (fmt, n, k), packed in weights:
-        relative.append([fmt, n, k, end, packed.numel()])
-        end += _pages(packed.numel())
-    data_start = 0
-    while True:  # the index's length grows with the offsets it holds: until they agree
-        entries = [[fmt, n, k, data_start + at, size] for fmt, n, k, at, size in relative]
-        header = MAGIC + b"\0" * 8 + json.dumps(entries).encode()
-        if len(header) <= data_start:
-            break
-        data_start = _pages(len(header))
-    index = header[len(MAGIC) + 8 :]
-    header = MAGIC + len(index).to_bytes(8, "little") + index
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(path.parent, "*.bin")
-    with replaced_atomically(path, ".bin") as temp, temp.open("wb") as f:
-        f.write(header)
-        for (_, _, _, start, _), (_, packed) in zip(entries, weights, strict=True):
-            f.seek(start)
-            f.write(memoryview(packed.contiguous().numpy()))
-        f.truncate(data_start + end)
+class _NewFile:
+    """A packed file being written under a temporary name: each weight packed straight into its
+    pages through a shared mapping (no buffer of the process's own, then a copy into the page
+    cache: on a VM each is a fresh page's fault, 0.4 s of Gemma's first start), its blocks
+    reserved first so that a full disk is an OSError here, never a SIGBUS on a page. `complete`
+    writes the index after the weights and the header before them, then renames the file into
+    place: readers see no file or a complete one."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(path.parent, "*.bin")
+        self.path = path
+        self._files = contextlib.ExitStack()
+        temp = self._files.enter_context(replaced_atomically(path, ".bin"))
+        self._file = self._files.enter_context(temp.open("r+b"))
+        self._entries: list[list] = []
+        self._end = _PAGE  # the header's page, then the weights
+
+    def slot(self, entry: Entry, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the file's pages for ``entry``, page-aligned, mapped writable."""
+        offset, size = self._end, _pages(max(nbytes, 1))
+        os.posix_fallocate(self._file.fileno(), offset, size)
+        pages = mmap.mmap(self._file.fileno(), size, flags=mmap.MAP_SHARED, offset=offset)
+        self._entries.append([*entry, offset, nbytes])
+        self._end += size
+        return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes]
+
+    def complete(self) -> None:
+        index = json.dumps(self._entries).encode()
+        self._file.seek(self._end)
+        self._file.write(index)
+        self._file.seek(0)
+        self._file.write(MAGIC + self._end.to_bytes(8, "little") + len(index).to_bytes(8, "little"))
+        self._file.flush()
+        self._files.close()  # closed, then renamed
+
+    def remove(self) -> None:
+        self._files.__exit__(OSError, OSError("abandoned"), None)  # closed, then removed

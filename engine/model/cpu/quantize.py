@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.model.cache_dir import wait_for_writes, write_behind
 from engine.model.cpu import narrow_cache, packed_cache
 from engine.model.cpu.linear import fuse_groups, own_gate_up, stacked_bias
 from engine.model.cpu.narrow_cache import Choice
@@ -120,9 +121,27 @@ def quantize_model(
     (engine.model.cpu.narrow_cache.cache_path), the choices come from that file when it exists
     and go into it when not, and the packed weights are views of their cache's file
     (engine.model.cpu.packed_cache), written when missing."""
+    wait_for_writes()  # an earlier load's cache files, complete before they are read
     cached = narrow_cache.load(cache) if cache else None
     choose = _Quantizer(mode, native, cached)
     slots = PackedSlots(lib, packed_cache.cache_path(cache, lib) if cache else None)
+    try:
+        _replace_modules(model, choose, slots, lib)
+    except BaseException:
+        slots.abandon()  # no half-written packed file left behind
+        raise
+    if cache and cached is None:
+        choices = dict(choose.choices)
+        write_behind(lambda: narrow_cache.save(cache, choices))
+    choose.report.cached = cached is not None
+    choose.report.mapped = slots.finish()
+    return choose.report
+
+
+def _replace_modules(
+    model: nn.Module, choose: _Quantizer, slots: PackedSlots, lib: ctypes.CDLL
+) -> None:
+    """quantize_model's replacing of the linears and the input embedding."""
     names: dict[int, list[str]] = {}  # a tied parameter has several names
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -164,11 +183,6 @@ def quantize_model(
     for param in model.parameters():
         if not param.is_meta:
             param.data = param.data.clone()
-    if cache and cached is None:
-        narrow_cache.save(cache, choose.choices)
-    choose.report.cached = cached is not None
-    choose.report.mapped = slots.finish()
-    return choose.report
 
 
 def narrowable_embedding(module: nn.Module) -> bool:

@@ -74,12 +74,24 @@ def isa(lib: ctypes.CDLL) -> str:
     return lib.quant_gemm_isa().decode()
 
 
-def pack(lib: ctypes.CDLL, weight: QuantizedWeight) -> torch.Tensor:
-    """``weight`` in the kernel's layout (uint8, flat)."""
+def packed_bytes(lib: ctypes.CDLL, weight: QuantizedWeight) -> int:
+    """The size of ``weight`` in the kernel's layout."""
+    return lib.quant_packed_bytes(FORMAT_CODES[weight.fmt], weight.out_features, weight.in_features)
+
+
+def pack(
+    lib: ctypes.CDLL, weight: QuantizedWeight, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``weight`` in the kernel's layout (uint8, flat), into ``out`` (`packed_bytes` of them)
+    when given."""
     code, n, k = FORMAT_CODES[weight.fmt], weight.out_features, weight.in_features
-    packed = torch.empty(lib.quant_packed_bytes(code, n, k), dtype=torch.uint8)
-    lib.quant_pack(code, weight.records.contiguous().data_ptr(), n, k, packed.data_ptr())
-    return packed
+    nbytes = packed_bytes(lib, weight)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous():
+        raise ValueError(f"packing needs {nbytes} contiguous bytes, not {out.numel()}")
+    lib.quant_pack(code, weight.records.contiguous().data_ptr(), n, k, out.data_ptr())
+    return out
 
 
 def unpack_rows(
