@@ -356,15 +356,19 @@ class ModelRunner:
             profile=profile,
         )
 
-    def compute_threads(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
-        """The thread policy of a forward over ``num_tokens`` tokens (CPU:
-        engine.model.cpu.fast_path.CpuFastPath.step_threads; elsewhere torch's own)."""
+    def compute_threads(
+        self, num_tokens: int, decode: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
+        """The thread policy of a forward over ``num_tokens`` tokens, ``decode``: one a
+        sequence (CPU: engine.model.cpu.fast_path.CpuFastPath.step_threads; elsewhere torch's
+        own)."""
         if self.cpu is None:
             return contextlib.nullcontext()
-        return self.cpu.step_threads(num_tokens)
+        return self.cpu.step_threads(num_tokens, decode)
 
     def _forward(self, batch: StepBatch, ctx: StepContext) -> torch.Tensor:
-        with self.compute_threads(len(batch.input_ids)):
+        decode = all(n == 1 for n in batch.query_lens)
+        with self.compute_threads(len(batch.input_ids), decode):
             return self._forward_body(batch, ctx)
 
     @torch.no_grad()  # not inference_mode: fused projections check tensors' version counters

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ from torch import nn
 
 from engine import startup
 from engine.config import EngineConfig
+from engine.model.cpu.decode_threads import DecodeThreads
 from engine.model.cpu.lean_forward import LeanLlamaForward
 from engine.model.cpu.linear import prepack_linears, prepack_supported
 from engine.model.cpu.narrow_weights import narrow_weights
@@ -50,23 +53,34 @@ class CpuFastPath:
         narrow: QuantizedModel | None = None,
     ) -> None:
         self.threads = threads  # intra-op threads of big ops (small ones run on one: step_threads)
+        self.decode_threads = DecodeThreads(threads)
+        self._team = threads  # torch's thread count now
         self.num_prepacked = num_prepacked  # dense GEMMs that replaced the model's linears
         self.narrow = narrow  # what went onto narrow weights (None: nothing)
         self._model = model
         self._hidden_size = model.get_input_embeddings().embedding_dim
 
-    def step_threads(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
-        """The thread policy of a forward over ``num_tokens`` tokens. Once the model's
-        elementwise ops get big enough for torch to parallelise them (activations of
-        ``_ELEMENTWISE_GRAIN`` elements), they run on one thread and only GEMMs and big attention
-        calls on every thread, until they are big enough to gain from every thread themselves
-        (``_ELEMENTWISE_PARALLEL``, prefill-sized steps); below the grain, switching thread counts
-        per GEMM costs more than it saves (docs/PERFORMANCE.md#thread-wake-ups), so everything
-        keeps every thread."""
+    @contextlib.contextmanager
+    def step_threads(self, num_tokens: int, decode: bool) -> Iterator[None]:
+        """The thread policy of a forward over ``num_tokens`` tokens (``decode``: one a
+        sequence). Its team: for a decode step one thread or all, whichever `decode_threads`
+        finds faster now, else all. Once the model's elementwise ops get big enough for torch to
+        parallelise them (activations of ``_ELEMENTWISE_GRAIN`` elements), they run on one thread
+        and only GEMMs and big attention calls on the team, until they are big enough to gain
+        from every thread themselves (``_ELEMENTWISE_PARALLEL``, prefill-sized steps); below the
+        grain, switching thread counts per GEMM costs more than it saves
+        (docs/PERFORMANCE.md#thread-wake-ups), so everything keeps the team."""
+        threads = self.decode_threads.choose(num_tokens) if decode else self.threads
+        if threads != self._team:
+            torch.set_num_threads(threads)
+            self._team = threads
         elements = num_tokens * self._hidden_size
-        if self.threads > 1 and _ELEMENTWISE_GRAIN <= elements < _ELEMENTWISE_PARALLEL:
-            return split_threads(self.threads)
-        return contextlib.nullcontext()
+        split = threads > 1 and _ELEMENTWISE_GRAIN <= elements < _ELEMENTWISE_PARALLEL
+        started = time.perf_counter()
+        with split_threads(threads) if split else contextlib.nullcontext():
+            yield
+        if decode:
+            self.decode_threads.observe(num_tokens, threads, time.perf_counter() - started)
 
     def lean_forward(self) -> LeanLlamaForward | None:
         """The lean forward of the prepared model, when its architecture and prepacked linears

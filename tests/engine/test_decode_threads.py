@@ -1,0 +1,74 @@
+"""The thread count of decode steps (engine/model/cpu/decode_threads.py): the faster of all the
+engine's threads and one, by their recent step times, the other probed now and then so that a
+host getting busy or idle turns the choice; and the fast path running each decode step on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.cpu.decode_threads import PROBE_EVERY, DecodeThreads
+from engine.model.cpu.fast_path import CpuFastPath
+
+
+def _run(choice: DecodeThreads, steps: int, seconds: dict[int, float], rows: int = 1) -> list[int]:
+    """``steps`` decode steps, each taking ``seconds[threads]``; the counts they ran on."""
+    counts = []
+    for _ in range(steps):
+        threads = choice.choose(rows)
+        choice.observe(rows, threads, seconds[threads])
+        counts.append(threads)
+    return counts
+
+
+def test_an_idle_host_runs_every_thread_and_probes_one_now_and_then():
+    choice = DecodeThreads(4)
+    counts = _run(choice, 2 + 3 * PROBE_EVERY, {4: 0.009, 1: 0.012})
+    assert counts[:2] == [4, 1]  # each measured once
+    assert counts[2:].count(1) == 3 and counts[2:].count(4) == 3 * PROBE_EVERY - 3
+
+
+def test_a_busy_host_turns_the_choice_to_one_thread_within_steps_and_back_when_idle():
+    choice = DecodeThreads(2)
+    _run(choice, 10, {2: 0.009, 1: 0.012})
+    busy = _run(choice, 2 * PROBE_EVERY, {2: 0.055, 1: 0.012})
+    assert busy[0] == 2 and busy[1:].count(2) == 2  # then on one, both probed twice
+    idle = _run(choice, 3 * PROBE_EVERY, {2: 0.009, 1: 0.012})
+    assert idle[-PROBE_EVERY:].count(2) == PROBE_EVERY - 1  # back on both after a probe or two
+
+
+def test_each_batch_size_class_has_its_own_times():
+    choice = DecodeThreads(2)
+    _run(choice, 20, {2: 0.009, 1: 0.012}, rows=1)
+    _run(choice, 20, {2: 0.040, 1: 0.030}, rows=16)
+    assert choice.choose(1) == 2 and choice.choose(16) == 1 and choice.choose(20) == 1
+
+
+def test_one_thread_configured_is_one_thread_always():
+    choice = DecodeThreads(1)
+    assert _run(choice, 5, {1: 0.01}) == [1] * 5
+
+
+class _Model(torch.nn.Module):
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return torch.nn.Embedding(8, 16)
+
+
+@pytest.fixture
+def torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_fast_path_runs_a_decode_step_on_the_chosen_count_and_times_it(torch_threads):
+    fast = CpuFastPath(_Model(), threads=2, num_prepacked=0)
+    _run(fast.decode_threads, 4, {2: 0.055, 1: 0.012})  # as on a busy host
+    seen = []
+    with fast.step_threads(1, decode=True):
+        seen.append(torch.get_num_threads())
+    with fast.step_threads(64, decode=False):  # a prefill: every thread
+        seen.append(torch.get_num_threads())
+    assert seen == [1, 2]
+    assert _run(fast.decode_threads, 1, {2: 0.055, 1: 0.012}) == [1]
+    assert fast.decode_threads._sizes[1].seconds[1] < 0.012  # the step above, timed
