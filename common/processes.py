@@ -52,6 +52,23 @@ def pss_bytes(pid: int | None = None) -> int | None:
     return None
 
 
+def mapping_bytes(address: int, field: str, pid: int | None = None) -> int | None:
+    """``field`` (Rss, Pss, ...) of the mapping that starts at ``address`` (/proc/PID/smaps), in
+    bytes; None where no mapping starts there. Reads the whole smaps: for occasional calls."""
+    start = f"{address:x}-"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        lines = _proc(pid).joinpath("smaps").read_text().splitlines()
+        for at, line in enumerate(lines):
+            if line.startswith(start):
+                for row in lines[at + 1 :]:
+                    if row.startswith(f"{field}:"):
+                        return int(row.split()[1]) * 1024
+                    if "-" in row.split(maxsplit=1)[0]:  # the next mapping's header
+                        break
+                return None
+    return None
+
+
 def peak_rss_bytes(pid: int | None = None) -> int | None:
     """The largest resident set size so far (VmHWM)."""
     kib = _status_kib(pid, "VmHWM")

@@ -36,6 +36,9 @@ class MemoryFootprint:
     activation_bytes: int  # one step's activations at most: see activation_measured
     activation_measured: bool  # CUDA: the probe's measured peak; CPU: `activation_estimate`
     park: ParkRecord
+    # (address, bytes) of the packed cache's file as this process maps it, whose pages count in
+    # weights_bytes whole but are shared with every engine of the same file (None: no such file)
+    mapped_weights: tuple[int, int] | None = None
 
 
 def activation_estimate(

@@ -312,7 +312,12 @@ class ModelRunner:
             activation_bytes=self.activation_bytes if measured else self._activation_estimate(),
             activation_measured=measured,
             park=self._park_record,
+            mapped_weights=self._mapped_weights(),
         )
+
+    def _mapped_weights(self) -> tuple[int, int] | None:
+        mapped = self.cpu.narrow.mapped if self.cpu is not None and self.cpu.narrow else None
+        return None if mapped is None else (mapped.address, mapped.nbytes)
 
     def _kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pools in self.kv_caches for t in pools)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from common.processes import peak_rss_bytes, pss_bytes, rss_bytes
+from common.processes import mapping_bytes, peak_rss_bytes, pss_bytes, rss_bytes
 from engine import startup
 
 
@@ -26,6 +26,21 @@ def structured_memory(grammars: Any) -> dict[str, int]:
     }
 
 
+def weights_pss_bytes(footprint: Any) -> int:
+    """What the weights count for in this process's PSS, which a park releases: weights_bytes,
+    with the pages of a mapped packed file counted at this process's share of them (the others
+    are the page cache's, counted in the PSS of every engine that maps the same file)."""
+    mapped = footprint.mapped_weights
+    if mapped is None or footprint.sleeping:
+        return footprint.weights_bytes
+    address, nbytes = mapped
+    share = mapping_bytes(address, "Pss")
+    if share is None:
+        return footprint.weights_bytes
+    # the mapping's PSS counts its page padding too: never more than the weights themselves
+    return min(footprint.weights_bytes, max(0, footprint.weights_bytes - nbytes) + share)
+
+
 def status_body(model: str, sleeping: bool, footprint: Any, grammars: Any = None) -> dict[str, Any]:
     """``footprint``: the core's MemoryFootprint (engine.model.footprint), None where the core
     does not measure one; ``grammars``: its compiler's CompilerStats, None without one."""
@@ -39,6 +54,7 @@ def status_body(model: str, sleeping: bool, footprint: Any, grammars: Any = None
         return {"model": model, "sleeping": sleeping, "memory": process, "startup": startup.stage()}
     memory = {
         "weights_bytes": footprint.weights_bytes,
+        "weights_pss_bytes": weights_pss_bytes(footprint),
         "kv_cache_bytes": footprint.kv_cache_bytes,
         "activation_bytes": footprint.activation_bytes,
         "activation_bytes_source": "measured" if footprint.activation_measured else "estimate",

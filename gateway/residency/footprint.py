@@ -154,12 +154,19 @@ def measured_growth(status: dict[str, object] | None) -> int:
 
 def parked_estimate(status: dict[str, object] | None) -> int | None:
     """What an awake engine will hold parked, before it has been: its memory less the weights and
-    KV cache a park releases (``weights_bytes``, ``kv_cache_bytes``); None where it does not
-    report them (an older engine, an external server). Closer than the runtime's 512 MiB for a
-    small model, whose whole awake footprint can be less (docs/PERFORMANCE.md#residency)."""
+    KV cache a park releases (``kv_cache_bytes``; the weights at their share of its PSS,
+    ``weights_pss_bytes``, where it reports PSS and that: an engine whose weights are a file
+    mapped by other engines too holds only a share of them; else ``weights_bytes``); None where
+    it does not report them (an older engine, an external server). Closer than the runtime's
+    512 MiB for a small model, whose whole awake footprint can be less
+    (docs/PERFORMANCE.md#residency)."""
     memory = _memory(status)
-    held = _bytes(memory, "pss_bytes") or _bytes(memory, "rss_bytes")
-    released = _bytes(memory, "weights_bytes") + _bytes(memory, "kv_cache_bytes")
+    pss = _bytes(memory, "pss_bytes")
+    held = pss or _bytes(memory, "rss_bytes")
+    weights = _bytes(memory, "weights_bytes")
+    if pss and "weights_pss_bytes" in memory:
+        weights = _bytes(memory, "weights_pss_bytes")
+    released = weights + _bytes(memory, "kv_cache_bytes")
     if not held or not released:
         return None
     return max(held - released, 0)

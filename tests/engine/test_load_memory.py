@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from common.processes import pss_bytes, rss_bytes
+from engine.model.cpu import narrow_cache, packed_cache
+from engine.model.cpu.kernels import quant_gemm
+from engine.model.cpu.packed_cache import MappedFile, open_mapped
+from engine.model.loader import known_gguf_dir
 from tests.conftest import GEMMA_GGUF
 from tests.server_utils import EngineProcess
 
@@ -34,8 +39,7 @@ def test_a_q4_k_m_file_loads_at_about_its_size() -> None:
     flags = ("--kv-cache-memory", "64MiB", "--num-threads", "2", "--max-model-len", "1024")
     engine = EngineProcess(GEMMA_GGUF, *flags).wait_ready()
     try:
-        with urllib.request.urlopen(engine.url + "/status", timeout=30) as reply:
-            status = json.load(reply)
+        status = _status(engine)
         memory = status["memory"]
         file_bytes = GEMMA_GGUF.stat().st_size
         assert memory["kv_cache_bytes"] <= KV_BYTES
@@ -46,5 +50,24 @@ def test_a_q4_k_m_file_loads_at_about_its_size() -> None:
         assert abs(memory["rss_bytes"] - rss_bytes(engine.proc.pid)) < 64 * 2**20
         assert pss_bytes(engine.proc.pid) is not None
         assert status["startup_s"]["structured outputs"] < 0.5  # the vocabulary waits
+        # its packed weights are a file's pages: a second process mapping them takes half their
+        # share of the PSS, and so half of what a park of the engine would release
+        assert 0 < memory["weights_pss_bytes"] <= memory["weights_bytes"]
+        packed = _packed_file(GEMMA_GGUF)
+        assert packed is not None
+        packed.populate()
+        shared = _status(engine)["memory"]["weights_pss_bytes"]
+        assert shared < memory["weights_pss_bytes"] - 0.3 * memory["weights_bytes"]
     finally:
         engine.stop()
+
+
+def _status(engine: EngineProcess) -> dict:
+    with urllib.request.urlopen(engine.url + "/status", timeout=30) as reply:
+        return json.load(reply)
+
+
+def _packed_file(gguf: Path) -> MappedFile | None:
+    """The packed cache's file of ``gguf``'s engine, mapped by this process."""
+    records = narrow_cache.cache_path(known_gguf_dir(gguf), "gguf")
+    return open_mapped(packed_cache.cache_path(records, quant_gemm.library()))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from common.processes import mapping_bytes
 from engine.model.cpu import packed_cache
 from engine.model.cpu.kernels import quant_gemm
 from engine.model.cpu.packed_cache import PackedSlots, open_mapped
@@ -35,16 +36,6 @@ def _load(path: Path, weights: list[QuantizedWeight]) -> tuple[nn.ModuleList, Pa
     slots = PackedSlots(lib, path)
     model = nn.ModuleList(QuantizedLinear(w, None, lib, slots=slots) for w in weights)
     return model, slots
-
-
-def mapping_kib(address: int, field: str) -> int:
-    """``field`` (Rss, Pss, ...) in KiB of this process's mapping that starts at ``address``
-    (/proc/self/smaps); the child process below reads its own with it too."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    for at, line in enumerate(lines):
-        if line.split("-")[0] == f"{address:x}":
-            return next(int(r.split()[1]) for r in lines[at + 1 :] if r.startswith(f"{field}:"))
-    raise AssertionError("no such mapping")
 
 
 def test_a_later_load_maps_the_bytes_the_first_packed(tmp_path, monkeypatch):
@@ -109,15 +100,15 @@ def test_a_park_drops_the_mapped_pages_and_writes_nothing(tmp_path):
     mapped = slots.finish()
     x = torch.randn(2, 512)
     before = [module(x[:, : module.in_features]) for module in model]
-    assert mapping_kib(mapped.address, "Rss") > 0
+    assert mapping_bytes(mapped.address, "Rss") > 0
     parker = WeightParker([model], CPU, tmp_path / "park", mapped)
     moved = parker.park()
     assert moved.copied == 0  # nothing written: the file is their home
     packed = sum(module.packed.numel() for module in model)
     assert packed <= moved.resident_before <= mapped.nbytes  # extents span the page padding
-    assert mapping_kib(mapped.address, "Rss") == 0
+    assert mapping_bytes(mapped.address, "Rss") == 0
     assert parker.wake().copied == 0
-    assert mapping_kib(mapped.address, "Rss") * 1024 >= packed  # mapped again before any step
+    assert mapping_bytes(mapped.address, "Rss") >= packed  # mapped again before any step
     after = [module(x[:, : module.in_features]) for module in model]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert all(mapped.holds(module.packed.data_ptr()) for module in model)
@@ -127,10 +118,10 @@ CHILD = """
 import sys
 from pathlib import Path
 from engine.model.cpu.packed_cache import open_mapped
-from tests.engine.test_packed_cache import mapping_kib
+from common.processes import mapping_bytes
 mapped = open_mapped(Path(sys.argv[1]))
 total = sum(int(mapped.view(i).sum()) for i in range(len(mapped.entries)))  # every page read
-rss, pss = (mapping_kib(mapped.address, field) for field in ("Rss", "Pss"))
+rss, pss = (mapping_bytes(mapped.address, field) for field in ("Rss", "Pss"))
 print(rss, pss, total)
 sys.stdout.flush()
 sys.stdin.read()  # holds its mapping until the parent has measured
@@ -154,7 +145,7 @@ def test_two_processes_mapping_one_file_share_its_pages(tmp_path):
     finally:
         child.stdin.close()
         child.wait(timeout=60)
-    assert child_total == total and rss * 1024 >= mapped.nbytes - 4096  # all but the header
+    assert child_total == total and rss >= mapped.nbytes - 4096  # all but the header
     assert pss <= rss * 0.6  # two processes map the same page-cache pages: half each
 
 

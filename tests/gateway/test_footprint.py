@@ -48,6 +48,17 @@ def test_the_parked_floor_is_estimated_as_what_a_park_does_not_release():
     assert parked_estimate({"memory": {**memory, "weights_bytes": 2000}}) == 0
 
 
+def test_weights_shared_with_other_engines_count_at_their_share_of_the_pss():
+    """An engine whose packed weights are a file that three engines map holds a third of them
+    in its PSS, and a park releases that third: what stays is its memory less that share."""
+    memory = {"pss_bytes": 900, "rss_bytes": 1500, "weights_bytes": 600, "kv_cache_bytes": 400}
+    assert parked_estimate({"memory": memory}) == 0  # the whole weights: too little left
+    shared = {**memory, "weights_pss_bytes": 200}
+    assert parked_estimate({"memory": shared}) == 300
+    rss_only = {**shared, "pss_bytes": None}  # no PSS to take a share of: RSS, whole weights
+    assert parked_estimate({"memory": rss_only}) == 500
+
+
 def test_parked_counts_the_rss_alone():
     assert measured_bytes({"memory": AWAKE}, awake=False) == 1000 * MiB
 
