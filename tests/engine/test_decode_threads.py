@@ -1,13 +1,14 @@
 """The thread count of decode steps (engine/model/cpu/decode_threads.py): the faster of all the
-engine's threads and one, by their recent step times, the other probed now and then so that a
-host getting busy or idle turns the choice; and the fast path running each decode step on it."""
+engine's threads and one by their recent step times, one thread timed again only when the
+team's steps slow down, the team timed again now and then while on one thread, so that a host
+getting busy or idle turns the choice; and the fast path running each decode step on it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.model.cpu.decode_threads import PROBE_EVERY, DecodeThreads
+from engine.model.cpu.decode_threads import PROBE_AT_MOST, PROBE_EVERY, DecodeThreads
 from engine.model.cpu.fast_path import CpuFastPath
 
 
@@ -21,20 +22,33 @@ def _run(choice: DecodeThreads, steps: int, seconds: dict[int, float], rows: int
     return counts
 
 
-def test_an_idle_host_runs_every_thread_and_probes_one_now_and_then():
+def test_an_idle_host_runs_every_step_on_the_team():
     choice = DecodeThreads(4)
     counts = _run(choice, 2 + 3 * PROBE_EVERY, {4: 0.009, 1: 0.012})
-    assert counts[:2] == [4, 1]  # each measured once
-    assert counts[2:].count(1) == 3 and counts[2:].count(4) == 3 * PROBE_EVERY - 3
+    assert counts[:2] == [4, 1]  # each timed once, then the team only
+    assert counts[2:] == [4] * 3 * PROBE_EVERY
+
+
+def test_one_thread_is_timed_again_when_the_teams_steps_slow_down():
+    """A longer context slows every step: one thread is timed again at each 25 %."""
+    choice = DecodeThreads(2)
+    counts = _run(choice, 10, {2: 0.009, 1: 0.012})
+    counts += _run(choice, 10, {2: 0.0105, 1: 0.014})  # 17 % slower: nothing to time
+    counts += _run(choice, 10, {2: 0.012, 1: 0.016})  # 33 %: one thread timed once
+    assert counts[2:].count(1) == 1 and counts[-1] == 2
 
 
 def test_a_busy_host_turns_the_choice_to_one_thread_within_steps_and_back_when_idle():
     choice = DecodeThreads(2)
     _run(choice, 10, {2: 0.009, 1: 0.012})
-    busy = _run(choice, 2 * PROBE_EVERY, {2: 0.055, 1: 0.012})
-    assert busy[0] == 2 and busy[1:].count(2) == 2  # then on one, both probed twice
-    idle = _run(choice, 3 * PROBE_EVERY, {2: 0.009, 1: 0.012})
-    assert idle[-PROBE_EVERY:].count(2) == PROBE_EVERY - 1  # back on both after a probe or two
+    busy = _run(choice, 1 + PROBE_EVERY + 2 * PROBE_EVERY + PROBE_AT_MOST, {2: 0.055, 1: 0.012})
+    assert busy[:2] == [2, 1]  # one step slowed the team: one thread timed, and faster
+    probes = [at for at, n in enumerate(busy) if n == 2][1:]
+    # the team timed again less and less often: after 64 steps on one thread, then 128, 256
+    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY, 3 * PROBE_EVERY + PROBE_AT_MOST]
+    idle = _run(choice, 2 * PROBE_AT_MOST, {2: 0.009, 1: 0.012})
+    back = idle.index(2)  # at the next probe, back on the team for good
+    assert back < PROBE_AT_MOST and idle[back:] == [2] * (len(idle) - back)
 
 
 def test_each_batch_size_class_has_its_own_times():
