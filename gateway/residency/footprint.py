@@ -8,14 +8,14 @@ the fleet rather than once per model (see ``measured_bytes`` and ``measured_grow
 Before a model's first measurement, an estimate: ``memory_estimate`` from models.yaml, or the
 runtime, the weights as the engine will hold them, the KV budget and structured outputs' memory (the
 grammar cache budget, a compile worker). A GGUF's tensors in a block type the narrow formats hold
-(Q4_0/1, Q4_K, Q5_0/1, Q5_K, Q3_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS) stay in those blocks, with fp32
-scales or, Q8_0's, Q5_0's and the K-quants' (Q4_K, Q5_K), their own (1-1.35x their bytes: Q8_0 and
-Q5_0 1x, Q4_K and Q5_K 1.05x; Q3_K 3.2x, the IQ4s 2x); the others are dequantised to fp32 (up to
-8x), and the tokenizer comes on top (Gemma 3's 262,144-token one: ~100 MB in the engine; structured
-outputs' vocabulary is in the engine's headroom until built). Measured, Gemma 3 270M Q4_K_M and
-SmolLM2-135M Q4_1 hold 2-3x their files once the runtime and KV are taken off
-(docs/PERFORMANCE.md#model-loading); the estimate takes 3x, so that no file is under-counted until
-its first start measures it.
+(Q4_0/1, Q2_K, Q4_K, Q5_0/1, Q5_K, Q3_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS) stay in those blocks, with
+fp32 scales or, Q8_0's, Q5_0's and the K-quants' (Q2_K, Q4_K, Q5_K), their own (1-1.35x their
+bytes: Q8_0 and Q5_0 1x, Q2_K, Q4_K and Q5_K 1.05x; Q3_K 3.2x, the IQ4s 2x); the others are
+dequantised to fp32 (up to 8x), and the tokenizer comes on top (Gemma 3's 262,144-token one: ~100
+MB in the engine; structured outputs' vocabulary is in the engine's headroom until built).
+Measured, Gemma 3 270M Q4_K_M and SmolLM2-135M Q4_1 hold 2-3x their files once the runtime and KV
+are taken off (docs/PERFORMANCE.md#model-loading); the estimate takes 3x, so that no file is
+under-counted until its first start measures it.
 """
 
 from __future__ import annotations

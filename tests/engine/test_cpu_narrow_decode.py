@@ -39,8 +39,8 @@ VARIANTS = {
 # a K from a bf16 one), rounded one way by the kernel and the other by the reference (its GEMMs,
 # gelu, and attention on the default build), moves the next layers by ~1e-2, in about 1 case in
 # 16 of a seed (the reference alone moves as much with gelu computed in fp64). Seeds whose cases
-# stay clear of such ties on every build:
-SEEDS = {"llama": 0, "qwen3": 404, "gemma3": 404}
+# stay clear of such ties on every build (gemma3 moved from 404 when int2k and int8km came in):
+SEEDS = {"llama": 0, "qwen3": 404, "gemma3": 440}
 
 
 # Each test linear's QuantizedWeight, by the module's id: what the torch reference multiplies by.

@@ -181,6 +181,45 @@ def test_super_scaled_formats_across_super_blocks(isa, fmt):
 
 
 @pytest.mark.parametrize("isa", BUILDS)
+def test_int2k_extremes_across_super_blocks(isa):
+    """int2k over 19 blocks (super-blocks of 8, 8 and 3, each its own D and M), its extremes in the
+    last one: q 3 under sc and mc 15 (column 0), q 0 under 0 (1), sc 15 and mc 0 (2), sc 0 and mc
+    15 (3), one half's q 3 and the other's 0 (4); 11 columns: the GEMM against the float64
+    reference and bit for bit its int8km widening's, the rows read back as the records
+    dequantise."""
+    blocks, supers, n = 19, 3, 11
+    generator = torch.Generator().manual_seed(2)
+    weight = quantize(torch.randn(n, blocks * BLOCK, generator=generator), "int2k")
+    records = weight.records  # D [3], M [3] f32, first halves' bytes [19], second's [19], q [19][8]
+    heads = records[:, : 8 * supers].clone().view(torch.float32)
+    records[:, : 8 * supers] = (heads * torch.tensor([1.0, 40.0, 0.25, 0.5, 30.0, 3.0])).view(
+        torch.uint8
+    )
+    last = [slice(8 * supers + h * blocks + 16, 8 * supers + (h + 1) * blocks) for h in (0, 1)]
+    q = records[:, 8 * supers + 2 * blocks :].view(n, blocks, 8)[:, 16:]
+    for column, (first, second, values) in enumerate(
+        [(0xFF, 0xFF, 0xFF), (0x00, 0x00, 0x00), (0x0F, 0x0F, None), (0xF0, 0xF0, None)]
+    ):
+        records[column, last[0]], records[column, last[1]] = first, second
+        if values is not None:
+            q[column] = values
+    q[4, :, :4], q[4, :, 4:] = 0xFF, 0x00
+    big_d, big_m = records[0, : 8 * supers].clone().view(torch.float32).view(2, supers)[:, -1]
+    top = (big_d * 15) * 3 + big_m * 15
+    assert torch.equal(weight.dequantize()[0, 16 * BLOCK :], top.expand(3 * BLOCK))
+    x = torch.randn(5, blocks * BLOCK, generator=generator) * 10
+    out = run(isa, weight, x, None)
+    torch.testing.assert_close(out, reference(x, weight, None), rtol=1e-5, atol=1e-3)
+    assert torch.equal(out, run(isa, as_format(weight, "int8km"), x, None))
+    lib = quant_gemm.library(isa)
+    ids = torch.arange(n).flip(0)
+    rows = quant_gemm.unpack_rows(
+        lib, "int2k", quant_gemm.pack(lib, weight), n, blocks * BLOCK, ids
+    )
+    assert torch.equal(rows, weight.dequantize(ids))
+
+
+@pytest.mark.parametrize("isa", BUILDS)
 def test_int8h_reads_every_fp16_scale_exactly(isa):
     """int8h's fp16 scales widened in the kernel (vcvtph2ps, or the generic build's plain C) and in
     its row read-back: every one of the 65,536 bit patterns (subnormals, the largest, the
@@ -254,31 +293,36 @@ def test_every_build_gives_the_same_numbers(fmt):
 
 def test_quantize_round_trips_within_half_a_step():
     """Quantisation error per weight is at most half a step: d / 2 for every format (int8k's d
-    per half of a block, its offset centring the block)."""
+    per half of a block, its offset centring the block; int8km's centring each half)."""
     weight = torch.randn(8, 128, generator=torch.Generator().manual_seed(3))
     blocks = weight.view(8, -1, BLOCK)
     halves = (blocks - (blocks.amax(-1, True) + blocks.amin(-1, True)) / 2).view(8, -1, 2, 16)
     sides = blocks.view(8, -1, 2, 16)
+    spans = (sides.amax(-1, True) - sides.amin(-1, True)) / 2
     for fmt, step in (
         ("int8", blocks.abs().amax(-1, True) / 127),
         ("int4", (blocks.amax(-1, True) - blocks.amin(-1, True)) / 15),
         ("int5", (blocks.amax(-1, True) - blocks.amin(-1, True)) / 31),
         ("int6", (sides.abs().amax(-1, True) / 31).expand(-1, -1, -1, 16).reshape_as(blocks)),
         ("int8k", (halves.abs().amax(-1, True) / 127).expand(-1, -1, -1, 16).reshape_as(blocks)),
+        ("int8km", (spans / 127).expand(-1, -1, -1, 16).reshape_as(blocks)),
     ):
         error = (quantize(weight, fmt).dequantize() - weight).abs().view(8, -1, BLOCK)
         assert (error <= step / 2 * (1 + 1e-5) + 1e-7).all(), fmt
 
 
-@pytest.mark.parametrize(("fmt", "levels"), [("int4k", 15), ("int5k", 31)])
-def test_super_scaled_quantisers_keep_the_offsets(fmt, levels):
-    """int4k and int5k quantise each block against its minimum (M <= 0 times a 6-bit mc): every
-    weight within a step of its block's range, the 6-bit rounding of sc and mc taking part of
-    that (the offsets once came out 0, clamping every negative weight to 0)."""
+@pytest.mark.parametrize(
+    ("fmt", "levels", "span"), [("int4k", 15, 32), ("int5k", 31, 32), ("int2k", 3, 16)]
+)
+def test_super_scaled_quantisers_keep_the_offsets(fmt, levels, span):
+    """int4k and int5k quantise each block (int2k each half-block) against its minimum (M <= 0
+    times a 6-bit, int2k's 4-bit, mc): every weight within a step of its span's range, the
+    rounding of sc and mc taking part of that (the offsets once came out 0, clamping every
+    negative weight to 0)."""
     weight = torch.randn(8, 512, generator=torch.Generator().manual_seed(3))
-    blocks = weight.view(8, -1, BLOCK)
-    step = (blocks.amax(-1, True) - blocks.amin(-1, True).clamp(max=0)) / levels
-    error = (quantize(weight, fmt).dequantize() - weight).abs().view(8, -1, BLOCK)
+    spans = weight.view(8, -1, span)
+    step = (spans.amax(-1, True) - spans.amin(-1, True).clamp(max=0)) / levels
+    error = (quantize(weight, fmt).dequantize() - weight).abs().view(8, -1, span)
     assert (error <= step).all()
 
 

@@ -1,9 +1,9 @@
 """A GGUF's weights come from the file as it holds them: each block type a narrow format holds
 (Q8_0, IQ4_NL -> int8h; IQ4_XS -> int8; Q4_0, Q4_1 -> int4; Q4_K -> int4k; Q5_0 -> int5h;
-Q5_1 -> int5; Q5_K -> int5k; Q6_K -> int6; Q3_K -> int8k) reproduces gguf's own dequantisation
-bit for bit, and a whole model loaded from the file equals the one transformers builds by
-dequantising every tensor (its weights on narrow records where the file's blocks allow, in the same
-row order)."""
+Q5_1 -> int5; Q5_K -> int5k; Q6_K -> int6; Q2_K -> int2k; Q3_K -> int8k) reproduces gguf's own
+dequantisation bit for bit, and a whole model loaded from the file equals the one transformers
+builds by dequantising every tensor (its weights on narrow records where the file's blocks allow,
+in the same row order)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ ROWS, K = 24, 512
 # Where the fp16 scales of the K-quants' super-blocks and the IQ4s' blocks lie (bytes [start,
 # end)): every other bit pattern of theirs is valid (integer scales, mins, quants and indices).
 FP16_SCALES = {
+    "Q2_K": (80, 84),
     "Q4_K": (0, 4),
     "Q5_K": (0, 4),
     "Q3_K": (108, 110),
@@ -39,7 +40,7 @@ FP16_SCALES = {
 
 def _random_blocks(block_type: str, rng: np.random.Generator) -> np.ndarray:
     """[ROWS, bytes] of valid blocks: gguf's quantiser where it has one, else (the K-quants, the
-    IQ4s) random bytes with finite fp16 scales (Q4_K, Q5_K: d and dmin; the others d)."""
+    IQ4s) random bytes with finite fp16 scales (Q2_K, Q4_K, Q5_K: d and dmin; the others d)."""
     qtype = GGMLQuantizationType[block_type]
     if block_type not in FP16_SCALES:
         return gguf_quantize(rng.standard_normal((ROWS, K)).astype(np.float32), qtype)
@@ -84,17 +85,21 @@ def test_fp16_scales_load_as_the_file_holds_them(block_type, fmt, block_bytes):
     assert torch.equal(weight.dequantize(), reference)
 
 
-@pytest.mark.parametrize(("block_type", "block_bytes"), [("Q4_K", 19), ("Q5_K", 23)])
-def test_k_quants_keep_their_6_bit_scales(block_type, block_bytes):
+@pytest.mark.parametrize(
+    ("block_type", "block_bytes", "fp16s", "scales"),
+    [("Q4_K", 19, (0, 4), (4, 16)), ("Q5_K", 23, (0, 4), (4, 16)), ("Q2_K", 11, (80, 84), (0, 16))],
+)
+def test_k_quants_keep_their_integer_scales(block_type, block_bytes, fp16s, scales):
     """Q4_K and Q5_K hold their sub-blocks' 6-bit scales and mins a byte each under the
     super-block's d and -dmin in fp32: 19 and 23 bytes a block of 32 (the file's 18 and 22),
-    where fp32 scales and offsets per block took 24 and 28; the largest fp16 d and dmin times
-    sc and m of 63 (and 0) load bit for bit too."""
+    where fp32 scales and offsets per block took 24 and 28; Q2_K its 4-bit ones per 16, as the
+    file's bytes: 11 (the file's 10.5); the largest fp16 d and dmin times sc and m at their
+    largest (and 0) load bit for bit too."""
     raw = _random_blocks(block_type, np.random.default_rng(11))
     blocks = raw.reshape(ROWS, K // 256, -1)
-    blocks[0, :, 0:4] = np.array([65504.0, 65504.0], dtype=np.float16).view(np.uint8)
-    blocks[0, :, 4:16] = 0xFF  # every 6-bit scale and min 63
-    blocks[1, :, 4:16] = 0x00
+    blocks[0, :, slice(*fp16s)] = np.array([65504.0, 65504.0], dtype=np.float16).view(np.uint8)
+    blocks[0, :, slice(*scales)] = 0xFF  # every scale and min at its largest (63, Q2_K's 15)
+    blocks[1, :, slice(*scales)] = 0x00
     reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[block_type]).copy())
     weight = from_gguf_blocks(block_type, raw, K)
     assert weight.nbytes == ROWS * K // 32 * block_bytes

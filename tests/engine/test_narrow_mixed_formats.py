@@ -1,7 +1,8 @@
 """Projections of mixed narrow formats fuse: every format converts into int8k exactly, so a
 Q4_K_M file's Q4_K q/k beside its Q6_K v still make one q/k/v GEMM (the one-call decode step runs
 fused projections only), with the outputs of the separate linears; int8h, int4k, int5k and int5h,
-which spell int8's, int4's and int5's values with narrower scales, fuse with those in them."""
+which spell int8's, int4's and int5's values with narrower scales, fuse with those in them; int2k
+(Q2_K: a min per half-block, which int8k cannot hold) and every other format into int8km."""
 
 from __future__ import annotations
 
@@ -21,25 +22,35 @@ from engine.model.cpu.quant_formats import (
 )
 from engine.model.cpu.quant_linear import QuantizedLinear
 from engine.model.cpu.quantize import quantize_model
-from tests.engine.test_cpu_quant_gemm import BUILDS
+from tests.engine.test_cpu_quant_gemm import BUILDS, reference, run
 from tests.engine.test_gguf_weights import K, _random_blocks
 
 HIDDEN, WIDTH = 64, 96
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_format_converts_into_int8k_exactly(fmt):
+def test_every_format_converts_into_int8k_or_int8km_exactly(fmt):
+    """Into int8km every one (44 and 48 bytes a block); into int8k all but int2k and int8km."""
     weight = quantize(torch.randn(9, 96, generator=torch.Generator().manual_seed(2)), fmt)
-    promoted = as_format(weight, "int8k")
-    assert promoted.fmt == "int8k" and promoted.records.shape[1] == 96 // 32 * 44
-    assert torch.equal(promoted.dequantize(), weight.dequantize())
+    for wide, block_bytes in (("int8k", 44), ("int8km", 48)):
+        if wide == "int8k" and fmt in ("int2k", "int8km"):
+            with pytest.raises(ValueError, match="do not convert"):
+                as_format(weight, wide)
+            continue
+        promoted = as_format(weight, wide)
+        assert promoted.fmt == wide and promoted.records.shape[1] == 96 // 32 * block_bytes
+        assert torch.equal(promoted.dequantize(), weight.dequantize())
 
 
-@pytest.mark.parametrize("block_type", ["Q8_0", "IQ4_NL", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize(
+    "block_type", ["Q8_0", "IQ4_NL", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q2_K"]
+)
 def test_gguf_blocks_convert_into_int8k_exactly(block_type):
-    """Every stored scale, offset and integer as the file gives it (Q4_0: m = -8 d)."""
+    """Every stored scale, offset and integer as the file gives it (Q4_0: m = -8 d); Q2_K's into
+    int8km."""
     weight = from_gguf_blocks(block_type, _random_blocks(block_type, np.random.default_rng(5)), K)
-    assert torch.equal(as_format(weight, "int8k").dequantize(), weight.dequantize())
+    wide = "int8km" if block_type == "Q2_K" else "int8k"
+    assert torch.equal(as_format(weight, wide).dequantize(), weight.dequantize())
 
 
 def test_int5h_converts_into_int8h_and_int8_exactly():
@@ -53,13 +64,15 @@ def test_int5h_converts_into_int8h_and_int8_exactly():
 @pytest.mark.parametrize("second", FORMATS)
 @pytest.mark.parametrize("first", FORMATS)
 def test_every_pairing_concatenates_exactly(first, second):
-    """Any two formats fuse, each part's values as they were (19 blocks: int4k's and int5k's
-    last super-block 3), in a format no wider than int8k's 44 bytes a block."""
+    """Any two formats fuse, each part's values as they were (19 blocks: int2k's, int4k's and
+    int5k's last super-block 3), in a format no wider than int8k's 44 bytes a block (int8km's 48
+    where a part is int2k or int8km)."""
     generator = torch.Generator().manual_seed(8)
     parts = [quantize(torch.randn(3, 608, generator=generator), fmt) for fmt in (first, second)]
     fused = concatenate(parts)
     assert torch.equal(fused.dequantize(), torch.cat([w.dequantize() for w in parts]))
-    assert fused.records.shape[1] <= 608 // 32 * 44
+    half_offsets = {first, second} & {"int2k", "int8km"}
+    assert fused.records.shape[1] <= 608 // 32 * (48 if half_offsets else 44)
 
 
 def test_int8k_converts_into_nothing_else():
@@ -114,8 +127,33 @@ def test_concatenate_promotes_only_mixed_formats():
         widened = concatenate(mixed)
         assert widened.fmt == fmt
         assert torch.equal(widened.dequantize(), torch.cat([w.dequantize() for w in mixed]))
+    # int2k (Q2_K q/k/gate/up) fuses as it is with int2k; beside int8k (a Q3_K v) or int4k (Q4_K)
+    # in int8km, as int8k beside int4k stays in int8k
+    int2k = quantize(torch.randn(4, 64), "int2k")
+    assert concatenate([int2k, int2k]).fmt == "int2k"
+    for fmt in ("int8k", "int4k"):
+        assert concatenate([int2k, quantize(torch.randn(4, 64), fmt)]).fmt == "int8km"
+    assert concatenate([quantize(torch.randn(4, 64), f) for f in ("int4k", "int8k")]).fmt == "int8k"
     with pytest.raises(ValueError, match="input width"):
         concatenate([parts[0], quantize(torch.randn(2, 32), "int4")])
+
+
+@pytest.mark.skipif(not BUILDS, reason="no C compiler here")
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("beside", ["Q3_K", "Q4_K"])
+def test_q2_k_fuses_exactly_beside_q3_k_and_q4_k(isa, beside):
+    """A Q2_K file's q/k beside its Q3_K or Q4_K v: the GEMM of the parts fused in int8km against
+    the float64 reference of the file's values, the Q2_K part's columns its own int2k GEMM's bit
+    for bit (int2k's kernel takes int8km's steps)."""
+    rng = np.random.default_rng(7)
+    parts = [from_gguf_blocks(t, _random_blocks(t, rng), K) for t in ("Q2_K", beside, "Q2_K")]
+    fused = concatenate(parts)
+    assert fused.fmt == "int8km"
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(7)) * 4
+    out = run(isa, fused, x, None)
+    torch.testing.assert_close(out, reference(x, fused, None), rtol=1e-5, atol=1e-4)
+    assert torch.equal(out[:, : parts[0].out_features], run(isa, parts[0], x, None))
 
 
 def _tiny_llama() -> LlamaForCausalLM:
@@ -150,6 +188,14 @@ def _tiny_llama() -> LlamaForCausalLM:
         ),
         ({"q_proj": "int5h", "k_proj": "int5h", "v_proj": "int8h"}, ("int8h", "int4")),
         ({"q_proj": "int5h", "k_proj": "int5h", "v_proj": "int6"}, ("int8k", "int4")),
+        # a Q2_K file: Q2_K q/k/gate/up, a Q3_K v
+        (
+            {
+                **dict.fromkeys(("q_proj", "k_proj", "gate_proj", "up_proj"), "int2k"),
+                "v_proj": "int8k",
+            },
+            ("int8km", "int2k"),
+        ),
         ({}, ("int4", "int4")),  # one format: fused as it is
     ],
 )

@@ -28,7 +28,7 @@ from engine.model.cpu.quant_formats import QuantizedWeight
 log = logging.getLogger(__name__)
 
 # Bump when quant_formats' records change meaning.
-LAYOUT_VERSION = 8
+LAYOUT_VERSION = 9
 _KEYED_SUFFIXES = (".safetensors", ".bin", ".json")
 
 # A parameter's choice: its narrow weight (None: left dense) and whether the file held it as is.

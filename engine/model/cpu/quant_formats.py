@@ -22,6 +22,9 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
 - ``int5k``: int5 as int4k is to int4 (``d = D * sc``, ``m = M * mc``, 6-bit sc and mc per block
   under fp32 D and M per 8 blocks): GGUF's Q5_K (M = -dmin), 23 bytes a block of 32 where int5
   takes 28 (the file 22).
+- ``int2k``: ``w = d_half * q + m_half``, q in [0, 3], ``d_half = D * sc``, ``m_half = M * mc``
+  with sc, mc in [0, 15] per half-block (one byte each, ``sc | mc << 4``) under fp32 D and M per
+  super-block of 8 blocks: GGUF's Q2_K (M = -dmin), 11 bytes a block of 32 (the file 10.5).
 - ``int6``: ``w = d_half * (q - 32)``, q in [0, 63], two fp32 scales per block (d_lo for elements
   0-15, d_hi for 16-31): GGUF's Q6_K, 32 bytes a block where int8k took 44.
 - ``int8k``: ``w = d_half * q + m``, q in [-128, 127], two fp32 scales per block (d_lo for elements
@@ -30,6 +33,14 @@ Every format works in blocks of 32 consecutive inputs of one output column, GGUF
   format converts into it exactly (`as_format`: int4k by way of int4, int5k and int5h of int5,
   int8h of int8, their scales spelled out in fp32), so projections of mixed formats still fuse
   (`concatenate`: in the narrowest format that holds every part, int8k where no other does).
+- ``int8km``: int8k with an fp32 offset per half-block (m_lo, m_hi), 48 bytes a block: the fusion
+  format of int2k, whose mins per 16 inputs int8k's one offset per block cannot hold. Every format
+  converts into it exactly (int8k's offset each half's), so a Q2_K file's Q2_K q/k beside its
+  Q3_K or Q4_K v fuse; it is taken only where a part is int2k (int2k beside int2k fuses as it
+  is), so files without Q2_K keep their formats byte for byte. The other exact answers cost more:
+  fused parts each in its own format would change the decode kernel's fused GEMMs, and a
+  narrower common format (4-bit integers with a scale and offset per half) would hold Q3_K only
+  by its integers' range, not by its format.
 
 A weight [N, K] is held as N column records of `record_bytes` bytes each ([N, bytes] uint8): per
 block of the column, int8: the scales, then the int8s; int8h: the same with 2-byte scales (the
@@ -40,7 +51,10 @@ int5: int4's, then the fifth bits (4 bytes a block, a little-endian uint32 whose
 i's, GGUF's order); int5h: the 2-byte scales (the file's fp16s), then int5's nibbles and fifth bits;
 int5k: int4k's, then int5's fifth bits; int6: the low-half scales, the high-half scales, int4's
 nibbles, then the high bit pairs (8 bytes a block, bits 2 (i % 4) and up of byte i / 4 element i's);
-int8k: the low-half scales, the high-half scales, the offsets, then the int8s. Records of one format
+int2k: the super-blocks' D, then their M, the blocks' first halves' bytes sc | mc << 4, then their
+second halves', then the 2-bit integers (int6's high bit pairs' layout); int8k: the low-half
+scales, the high-half scales, the offsets, then the int8s; int8km: int8k's with the low-half
+offsets, then the high-half offsets. Records of one format
 and K concatenate, so fused projections are a torch.cat; rows permute with an index
 (kernels/quant_gemm.c reads them).
 
@@ -48,13 +62,15 @@ GGUF block types each format holds exactly (`GGUF_BLOCKS`): Q8_0 in int8h at its
 and there too IQ4_NL (``d * table[q]``, 4-bit indices into 16 fixed int8 values) at twice its size;
 IQ4_XS (the same with d a super-block's fp16 times a 6-bit scale per 32, less 32: not an fp16) in
 int8; Q4_1 and Q4_0 in int4; Q4_K, whose super-blocks of 256 carry 6-bit scales and offsets per 32
-(``d * sc * q - dmin * m``), in int4k; Q5_0 (``d * (q - 16)``) in int5h at its size in the file;
+(``d * sc * q - dmin * m``), in int4k; Q2_K (the same with 4-bit scales and mins per 16 and
+2-bit q) in int2k; Q5_0 (``d * (q - 16)``) in int5h at its size in the file;
 Q5_1 (``d * q + m``) in int5; in int5k Q5_K (Q4_K's scales with 5-bit q); in int6 Q6_K (``d * sc *
 (q - 32)``, sc int8 per 16, q 6 bits); in int8k Q3_K (``d * (sc - 32) * q``, sc 6 bits per 16, q in
 [-4, 3]). The products d * sc and dmin * m are exact in fp32, being fp16 times integers of at most 8
 bits (11 + 8 significant bits < 24), so each weight is gguf's own single rounding of that product
-times q (plus the offset); int4k and int5k keep the fp16s (in fp32) and the integers apart, and the
-kernels take the same exact products. GGUF stores its scales in fp16; widening them to fp32 is exact
+times q (plus the offset); int2k, int4k and int5k keep the fp16s (in fp32) and the integers apart,
+and the kernels take the same exact products (int2k's in the steps int8km's take: its outputs are
+its widened weight's bit for bit). GGUF stores its scales in fp16; widening them to fp32 is exact
 (int8h and int5h keep them in fp16, the kernels widen them as they read them)."""
 
 from __future__ import annotations
@@ -66,7 +82,19 @@ import torch
 
 BLOCK = 32
 HALF = BLOCK // 2
-FORMATS = ("int8", "int8h", "int4", "int4k", "int5", "int5h", "int5k", "int6", "int8k")
+FORMATS = (
+    "int8",
+    "int8h",
+    "int2k",
+    "int4",
+    "int4k",
+    "int5",
+    "int5h",
+    "int5k",
+    "int6",
+    "int8k",
+    "int8km",
+)
 # GGUF block types that load into a format as they are: (format, elements and bytes per block).
 GGUF_BLOCKS = {
     "Q8_0": ("int8h", 32, 34),
@@ -78,40 +106,46 @@ GGUF_BLOCKS = {
     "Q4_K": ("int4k", 256, 144),
     "Q5_1": ("int5", 32, 24),
     "Q5_K": ("int5k", 256, 176),
+    "Q2_K": ("int2k", 256, 84),
     "Q3_K": ("int8k", 256, 110),
     "Q6_K": ("int6", 256, 210),
 }
-# Bytes per block of a record: its scales and offsets (fp32, int8h's and int5h's fp16), then its
-# integers.
+# Bytes per block of a record: its scales and offsets (fp32, int8h's and int5h's fp16; int2k's,
+# int4k's and int5k's integers, their D and M apart: `record_bytes`), then its integers.
 _BLOCK_BYTES = {
     "int8": 4 + BLOCK,
     "int8h": 2 + BLOCK,
+    "int2k": 2 + BLOCK // 4,
     "int4": 8 + HALF,
+    "int4k": 2 + HALF,
     "int5": 12 + HALF,
     "int5h": 6 + HALF,
+    "int5k": 6 + HALF,
     "int6": 16 + HALF,
     "int8k": 12 + BLOCK,
+    "int8km": 16 + BLOCK,
 }
-# fp32 scales and offsets per block of a record (int4k's, int5k's, int5h's and int8h's: those of
-# int4, int5 and int8, `_WIDENED`).
-_FLOATS = {"int8": 1, "int4": 2, "int5": 2, "int6": 2, "int8k": 3}
+# fp32 scales and offsets per block of a record (int2k's, int4k's, int5k's, int5h's and int8h's:
+# those of int8km, int4, int5 and int8, `_WIDENED`).
+_FLOATS = {"int8": 1, "int4": 2, "int5": 2, "int6": 2, "int8k": 3, "int8km": 4}
 # Bits above the nibbles per element of int5 and int6.
 _UPPER_BITS = {"int5": 1, "int6": 2}
 
 
-SUPER = 8  # blocks per super-block of int4k and int5k
-# The formats of 6-bit scales and offsets per block under fp32 D and M per super-block, and the
-# format of fp32 scales and offsets per block whose integers they hold.
-_SUPER_SCALED = {"int4k": "int4", "int5k": "int5"}
+SUPER = 8  # blocks per super-block of int2k, int4k and int5k
+# The formats of integer scales and offsets under fp32 D and M per super-block: their integers'
+# largest, their scales' and offsets' largest, and the inputs each scale covers (int4k, int5k: 6
+# bits per block; int2k: 4 bits per half-block, both in one byte, low nibble the scale).
+_SUPER_SCALED = {"int4k": (15, 63, BLOCK), "int5k": (31, 63, BLOCK), "int2k": (3, 15, HALF)}
+# int4k's and int5k's format of fp32 scales and offsets per block, of the same integers.
+_SUPER_WIDER = {"int4k": "int4", "int5k": "int5"}
 
 
 def record_bytes(fmt: str, k: int) -> int:
     """Bytes of one output column's record for ``k`` inputs (a multiple of BLOCK)."""
     blocks = k // BLOCK
-    if fmt in _SUPER_SCALED:  # D and M per super-block; per block sc and mc (2 bytes where the
-        # wider format's fp32 d and m take 8), then its integers
-        return 8 * _supers(blocks) + (_BLOCK_BYTES[_SUPER_SCALED[fmt]] - 6) * blocks
-    return blocks * _BLOCK_BYTES[fmt]
+    heads = 8 * _supers(blocks) if fmt in _SUPER_SCALED else 0  # D and M per super-block
+    return heads + blocks * _BLOCK_BYTES[fmt]
 
 
 def _supers(blocks: int) -> int:
@@ -159,7 +193,8 @@ class QuantizedWeight:
         if self.fmt == "int8":
             return (scales[:, 0] * q.float()).view(n, self.in_features)
         halves = scales[:, :2].permute(0, 2, 1, 3)  # [n, blocks, 2 halves, 1]
-        values = halves * q.view(n, blocks, 2, HALF).float() + scales[:, 2, :, None]
+        offsets = scales[:, 2:].permute(0, 2, 1, 3)  # [n, blocks, 1 (int8k) or 2 halves, 1]
+        values = halves * q.view(n, blocks, 2, HALF).float() + offsets
         return values.reshape(n, self.in_features)
 
 
@@ -175,22 +210,48 @@ def _unsigned_values(fmt: str, ints: torch.Tensor, n: int, blocks: int) -> torch
     return q | (_upper_values(upper, width) << 4).to(torch.uint8)
 
 
+def _super_heads(records: torch.Tensor, n: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int2k, int4k or int5k records' D and M per block ([n, 2, blocks] fp32: each super-block's
+    repeated) and their two bytes per block ([n, 2, blocks] int32: sc, mc; int2k's halves')."""
+    supers = _supers(blocks)
+    heads = records[:, : 8 * supers].reshape(-1).view(torch.float32).view(n, 2, supers)
+    ints = records[:, 8 * supers : 8 * supers + 2 * blocks].reshape(n, 2, blocks).to(torch.int32)
+    return heads.repeat_interleave(SUPER, dim=-1)[..., :blocks], ints
+
+
 def _super_scaled_widener(wider: str):
     """The reader of int4k (int5k) records into int4 (int5) records: d = D * sc and m = M * mc
     spelled out, exact (an fp32 of GGUF's fp16 times an integer below 64); the nibbles (and fifth
     bits) as they are."""
 
     def widen(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
-        supers = _supers(blocks)
-        heads = records[:, : 8 * supers].reshape(-1).view(torch.float32).view(n, 2, supers)
-        ints = records[:, 8 * supers : 8 * supers + 2 * blocks].reshape(n, 2, blocks).float()
-        scales = heads.repeat_interleave(SUPER, dim=-1)[..., :blocks] * ints
-        values = records[:, 8 * supers + 2 * blocks :]
+        heads, ints = _super_heads(records, n, blocks)
+        scales = heads * ints.float()
+        values = records[:, 8 * _supers(blocks) + 2 * blocks :]
         return QuantizedWeight(
             wider, blocks * BLOCK, _records(n, [scales[:, 0], scales[:, 1], values])
         )
 
     return widen
+
+
+def _int2k_as_int8km(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
+    """int2k records in int8km records: each half's d = D * sc and m = M * mc spelled out, exact
+    (an fp32 of GGUF's fp16 times an integer below 16), the 2-bit integers as int8s."""
+    heads, ints = _super_heads(records, n, blocks)  # ints: [n, 2 halves, blocks]
+    d, m = heads[:, :1] * (ints & 0x0F).float(), heads[:, 1:] * (ints >> 4).float()
+    pairs = records[:, 8 * _supers(blocks) + 2 * blocks :].reshape(n, blocks, BLOCK // 4)
+    q = _upper_values(pairs, 2).to(torch.int8)
+    return QuantizedWeight(
+        "int8km", blocks * BLOCK, _records(n, [d[:, 0], d[:, 1], m[:, 0], m[:, 1], q])
+    )
+
+
+def _int8k_as_int8km(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeight:
+    """int8k records in int8km records: the block's offset each half's."""
+    offset = records[:, 8 * blocks : 12 * blocks]
+    parts = [records[:, : 8 * blocks], offset, offset, records[:, 12 * blocks :]]
+    return QuantizedWeight("int8km", blocks * BLOCK, _records(n, parts))
 
 
 def _fp16_scaled_widener(wider: str, offset: float | None):
@@ -214,24 +275,28 @@ def _int5h_as_int8h(records: torch.Tensor, n: int, blocks: int) -> QuantizedWeig
     return QuantizedWeight("int8h", blocks * BLOCK, _records(n, [records[:, : 2 * blocks], q]))
 
 
-# The formats whose values wider ones hold exactly (besides int8k, which holds every format's):
-# those formats, each with the reader into it, the first the one of the same integers with its
-# scales spelled out in fp32 (int5h's second: int8h, its integers as int8s under the same fp16s,
-# where a Q5_0 q/k beside a Q8_0 v fuse at 34 bytes a block instead of int8k's 44).
+# The formats whose values wider ones hold exactly (besides int8k, which holds every format's but
+# int2k's): those formats, each with the reader into it, the first the one of the same integers
+# with its scales spelled out in fp32 (int5h's second: int8h, its integers as int8s under the same
+# fp16s, where a Q5_0 q/k beside a Q8_0 v fuse at 34 bytes a block instead of int8k's 44); int2k's
+# and int8k's int8km, whose offset per half holds int2k's mins (int8k's one offset per block
+# cannot).
 _WIDENED = {
-    **{fmt: [(wider, _super_scaled_widener(wider))] for fmt, wider in _SUPER_SCALED.items()},
+    **{fmt: [(wider, _super_scaled_widener(wider))] for fmt, wider in _SUPER_WIDER.items()},
+    "int2k": [("int8km", _int2k_as_int8km)],
     "int8h": [("int8", _fp16_scaled_widener("int8", None))],
     "int5h": [("int5", _fp16_scaled_widener("int5", -16.0)), ("int8h", _int5h_as_int8h)],
+    "int8k": [("int8km", _int8k_as_int8km)],
 }
 
 
 def _holders(fmt: str) -> list[str]:
     """The formats that hold ``fmt``'s values exactly: itself, those it widens into (and theirs),
-    and int8k."""
+    and int8k (but for int2k and int8km) and int8km."""
     holders = [fmt]
     for wider, _ in _WIDENED.get(fmt, []):
         holders += [f for f in _holders(wider) if f not in holders]
-    return holders if "int8k" in holders else [*holders, "int8k"]
+    return holders if "int8km" in holders else [*holders, *_holders("int8k")]
 
 
 # A format asked for (a --quantization mode's) and the narrower one whose blocks from a file then
@@ -240,11 +305,13 @@ NARROWER = {"int8": "int8h"}
 
 
 def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
-    """``weight`` in ``fmt``, the same values: every other format converts into int8k exactly
+    """``weight`` in ``fmt``, the same values: every format but int2k converts into int8k exactly
     (both halves' scale the block's d, int6's its own two; the offset 0 or m; the integers as
     int8, int6's less 32; int4k by way of int4's records, int5k and int5h of int5's, int8h of
-    int8's), and int4k into int4, int5k and int5h into int5, int8h into int8 (their scales spelled
-    out in fp32), int5h into int8h and so int8 (its integers less 16 as int8s)."""
+    int8's), and so into int8km (the offset each half's), which int2k converts into (its halves'
+    D * sc and M * mc spelled out); int4k into int4, int5k and int5h into int5, int8h into int8
+    (their scales spelled out in fp32), int5h into int8h and so int8 (its integers less 16 as
+    int8s)."""
     if weight.fmt == fmt:
         return weight
     if fmt not in _holders(weight.fmt):
@@ -265,14 +332,14 @@ def as_format(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
         q = _unsigned_values(weight.fmt, records[:, 8 * blocks :], n, blocks)
         parts = [scale, scale, records[:, 4 * blocks : 8 * blocks], q]
     records = torch.cat([p.reshape(n, -1) for p in parts], dim=1)
-    return QuantizedWeight(fmt, weight.in_features, records)
+    return as_format(QuantizedWeight("int8k", weight.in_features, records), fmt)
 
 
 def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight of the stacked output columns of ``weights`` (same K): in their format; where
     they differ, in the narrowest one that holds them all (int8h and int8 in int8; int5h, int5k
-    and int5 in int5; int5h and int8h in int8h), else in int8k (each part converted exactly), so
-    mixed projections still fuse."""
+    and int5 in int5; int5h and int8h in int8h), else in int8k, or int8km where a part is int2k
+    (each part converted exactly), so mixed projections still fuse."""
     first = weights[0]
     if any(w.in_features != first.in_features for w in weights):
         raise ValueError("only weights of one input width concatenate")
@@ -324,37 +391,40 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
             scale[:, :, 1],
             *_unsigned_parts(fmt, q.view(n, k // BLOCK, BLOCK)),
         ]
-    else:
-        offset = (blocks.amin(-1, keepdim=True) + blocks.amax(-1, keepdim=True)) / 2
-        centred = (blocks - offset).view(n, k // BLOCK, 2, HALF)
+    else:  # int8k, int8km: centred per block (int8km: per half), each half scaled symmetrically
+        halves = blocks.view(n, k // BLOCK, 2, HALF)
+        spans = halves if fmt == "int8km" else blocks[:, :, None]
+        offset = (spans.amin(-1, keepdim=True) + spans.amax(-1, keepdim=True)) / 2
+        centred = halves - offset
         scale = centred.abs().amax(-1, keepdim=True) / 127.0  # [n, blocks, 2 halves, 1]
         q = torch.round(centred * _inverse(scale)).clamp(-127, 127).to(torch.int8)
-        parts = [scale[:, :, 0], scale[:, :, 1], offset, q]
+        parts = [scale[:, :, 0], scale[:, :, 1], *offset.unbind(2), q]
     return QuantizedWeight(fmt, k, _records(n, parts))
 
 
 def _quantize_super_scaled(fmt: str, blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
-    """[n, k / 32, 32] into int4k (int5k) as Q4_K's (Q5_K's) layout allows: each block's offset
-    its minimum (taken to at most 0: M <= 0, mc >= 0), its scale its range over 15 (31), both
-    then rounded to 6 bits of their super-block's largest; q rounded against the scales so
-    made."""
-    nb, supers = k // BLOCK, _supers(k // BLOCK)
-    levels = 15 if fmt == "int4k" else 31
-    low = blocks.amin(-1).clamp(max=0.0)
-    scale = (blocks.amax(-1) - low) / levels
-    pad = supers * SUPER - nb
+    """[n, k / 32, 32] into int4k, int5k (int2k) as Q4_K's, Q5_K's (Q2_K's) layout allows: each
+    block's (half-block's) offset its minimum (taken to at most 0: M <= 0, mc >= 0), its scale its
+    range over the integers' largest, both then rounded to 6 (4) bits of their super-block's
+    largest; q rounded against the scales so made."""
+    levels, scale_levels, span = _SUPER_SCALED[fmt]
+    units, per_super = k // span, SUPER * BLOCK // span
+    values = blocks.reshape(n, units, span)
+    low = values.amin(-1).clamp(max=0.0)
+    scale = (values.amax(-1) - low) / levels
+    pad = _supers(k // BLOCK) * per_super - units
     big_d, big_m = (
-        torch.nn.functional.pad(v, (0, pad)).view(n, supers, SUPER) for v in (scale, low)
+        torch.nn.functional.pad(v, (0, pad)).view(n, -1, per_super) for v in (scale, low)
     )
-    big_d, big_m = big_d.amax(-1) / 63.0, big_m.amin(-1) / 63.0
+    big_d, big_m = big_d.amax(-1) / scale_levels, big_m.amin(-1) / scale_levels
 
-    def per_block(v: torch.Tensor) -> torch.Tensor:
-        return v.repeat_interleave(SUPER, -1)[:, :nb]
+    def per_unit(v: torch.Tensor) -> torch.Tensor:
+        return v.repeat_interleave(per_super, -1)[:, :units]
 
-    sc = torch.round(scale * per_block(_inverse(big_d))).clamp(0, 63)
-    mc = torch.round(low * per_block(_inverse(big_m))).clamp(0, 63)
-    d, m = per_block(big_d) * sc, per_block(big_m) * mc
-    q = torch.round((blocks - m[..., None]) * _inverse(d)[..., None]).clamp(0, levels)
+    sc = torch.round(scale * per_unit(_inverse(big_d))).clamp(0, scale_levels)
+    mc = torch.round(low * per_unit(_inverse(big_m))).clamp(0, scale_levels)
+    d, m = per_unit(big_d) * sc, per_unit(big_m) * mc
+    q = torch.round((values - m[..., None]) * _inverse(d)[..., None]).clamp(0, levels)
     return _super_scaled(fmt, n, k, big_d, big_m, sc, mc, q.to(torch.int32))
 
 
@@ -368,10 +438,18 @@ def _super_scaled(
     mc: torch.Tensor,
     q: torch.Tensor,
 ) -> QuantizedWeight:
-    """int4k or int5k records of D and M (fp32 [n, supers, ...]), sc and mc (integers in [0, 63],
-    [n, blocks, ...]) and the integers ``q`` [n, blocks, 32]."""
+    """int2k, int4k or int5k records of D and M (fp32 [n, supers, ...]), sc and mc (integers of
+    the format's range, one per block or, int2k's, half-block: [n, units, ...]) and the integers
+    ``q`` ([n, k / 32, 32] or of the same elements): int4k's and int5k's sc, then mc, a byte each
+    per block; int2k's a byte per half-block (sc | mc << 4), its first halves', then its second's,
+    then its 2-bit integers (`_upper_values`' layout)."""
+    q = q.reshape(n, k // BLOCK, BLOCK).to(torch.int32)
+    if fmt == "int2k":
+        halves = (sc.to(torch.int32) | (mc.to(torch.int32) << 4)).reshape(n, k // BLOCK, 2)
+        ints = [halves[..., 0].to(torch.uint8), halves[..., 1].to(torch.uint8)]
+        return QuantizedWeight(fmt, k, _records(n, [big_d, big_m, *ints, _packed_fields(q, 2)]))
     ints = [sc.to(torch.uint8), mc.to(torch.uint8)]
-    parts = [big_d, big_m, *ints, *_unsigned_parts(_SUPER_SCALED[fmt], q.to(torch.int32))]
+    parts = [big_d, big_m, *ints, *_unsigned_parts(_SUPER_WIDER[fmt], q)]
     return QuantizedWeight(fmt, k, _records(n, parts))
 
 
@@ -386,10 +464,14 @@ def _unsigned_parts(fmt: str, q: torch.Tensor) -> list[torch.Tensor]:
     nibbles = ((q[..., :HALF] & 0x0F) | ((q[..., HALF:] & 0x0F) << 4)).to(torch.uint8)
     if fmt == "int4":
         return [nibbles]
-    width = _UPPER_BITS[fmt]
-    upper = (q >> 4).reshape(*q.shape[:-1], 4 * width, 8 // width)
+    return [nibbles, _packed_fields(q >> 4, _UPPER_BITS[fmt])]
+
+
+def _packed_fields(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Integers of ``width`` bits ([..., 32] int32) packed as `_upper_values` reads them."""
+    fields = values.reshape(*values.shape[:-1], 4 * width, 8 // width)
     shifts = torch.arange(0, 8, width, dtype=torch.int32)
-    return [nibbles, (upper << shifts).sum(-1).to(torch.uint8)]
+    return (fields << shifts).sum(-1).to(torch.uint8)
 
 
 def _records(n: int, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -531,6 +613,17 @@ def _q6_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     return QuantizedWeight("int6", k, _records(n, parts))
 
 
+def _q2_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
+    """Q2_K super-blocks [n, k / 256, 84]: 16 bytes of a scale (low nibble) and a min (high) per
+    16 elements, 64 of 2-bit integers (per half of 128, 32 bytes: shift 2 j is element 32 j + t),
+    d and dmin fp16; int2k: D = d, M = -dmin, the scale bytes as they are."""
+    supers = k // 256
+    scales = blocks[..., :16].reshape(n, supers, 8, 2).to(torch.int32)
+    q = _bits(blocks[..., 16:80].reshape(n, supers, 2, 32), range(0, 8, 2), 2).reshape(n, k)
+    d, dmin = _fp16(blocks[..., 80:82]), _fp16(blocks[..., 82:84])
+    return _super_scaled("int2k", n, k, d, -dmin, scales & 0x0F, scales >> 4, q)
+
+
 def _q3_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
     """Q3_K super-blocks [n, k / 256, 110]: 32 bytes of high bits (bit j of byte t: element
     32 j + t, set meaning no -4), 64 of 2-bit fields (per half of 128, 32 bytes: shift 2 j is
@@ -548,4 +641,11 @@ def _q3_k(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight:
 
 
 # The block types of 256-element super-blocks, by their readers.
-_SUPER_BLOCKS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "IQ4_XS": _iq4_xs}
+_SUPER_BLOCKS = {
+    "Q2_K": _q2_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "Q3_K": _q3_k,
+    "IQ4_XS": _iq4_xs,
+}

@@ -9,8 +9,8 @@ Q8_0 weight as the file's blocks, in int8h: int8 with fp16 scales), except that 
 embedding and lm_head in int8 (as llama.cpp's quantiser keeps its
 output tensor at 6 bits or more: in int4 SmolLM2's top token changed on half of the load probe).
 q/k/v and gate/up fuse into one GEMM each, as on the dense path (parts of mixed formats in the
-narrowest format that holds each exactly: int8k holds every one); an embedding tied to a narrow
-lm_head reads its rows from the head.
+narrowest format that holds each exactly: int8k holds every one but Q2_K's int2k, int8km all); an
+embedding tied to a narrow lm_head reads its rows from the head.
 
 engine.model.cpu.narrow_weights checks the result against the dense forward on a probe, as the
 lean forward is checked: a format that moves the model's predictions too far is refused.
@@ -157,8 +157,8 @@ def _replace_modules(
         if any(p is None for p in parts):
             return None
         # parts of mixed formats (a Q4_K_M file's Q4_K q/k beside a Q6_K v) fuse in int8k, or a
-        # narrower format that holds them (its Q5_0 q/k beside a Q8_0 v in int8h): the one-call
-        # decode step runs fused projections only
+        # narrower format that holds them (its Q5_0 q/k beside a Q8_0 v in int8h), or in int8km
+        # where a part is Q2_K's int2k: the one-call decode step runs fused projections only
         return QuantizedLinear(concatenate(parts), stacked_bias(linears), lib, paired, slots)
 
     embedding = model.get_input_embeddings()

@@ -13,6 +13,11 @@
  *   int6 (QUANT_INT6): w = d_half * (q - 32), q in [0, 63]   GGUF's Q6_K (one d per 16)
  *   int8k (QUANT_INT8K): w = d_half * q + m, q int8     one d per 16 inputs: GGUF's Q3_K; mixed
  *                                                       fused projections
+ *   int2k (QUANT_INT2K): w = d_half * q + m_half, q in [0, 3], d_half = D * sc, m_half = M * mc
+ *                                                       GGUF's Q2_K (sc, mc 4 bits per 16 inputs,
+ *                                                       D, M fp32 per 8 blocks)
+ *   int8km (QUANT_INT8KM): w = d_half * q + m_half, q int8   int8k with an offset per 16 inputs:
+ *                                                       mixed fused projections with int2k
  *
  * quant_pack turns the column records of quant_formats.py into groups of GROUP = 8 interleaved
  * output columns: per group and block, the 8 columns' scales, then the integers in quads of 4
@@ -57,15 +62,30 @@
 #define SERIAL_QUANTIZE 32768 /* activations (m x k) up to which one thread quantises them */
 
 enum { QUANT_INT8 = 0, QUANT_INT4 = 1, QUANT_INT8K = 2, QUANT_INT5 = 3, QUANT_INT6 = 4,
-       QUANT_INT4K = 5, QUANT_INT8H = 6, QUANT_INT5K = 7, QUANT_INT5H = 8 };
-#define SUPER 8     /* int4k's and int5k's blocks per super-block */
+       QUANT_INT4K = 5, QUANT_INT8H = 6, QUANT_INT5K = 7, QUANT_INT5H = 8, QUANT_INT2K = 9,
+       QUANT_INT8KM = 10 };
+#define SUPER 8     /* int2k's, int4k's and int5k's blocks per super-block */
 #define SUPER_HEAD 64 /* their D [8] and M [8] f32 before each super-block's blocks */
 
-/* Whether the format's d and m are D * sc and M * mc (int4k, int5k: 6-bit sc, mc per block, fp32
- * D, M per super-block). */
+/* Whether the format's d and m are D * sc and M * mc (int4k, int5k: 6-bit sc, mc per block;
+ * int2k: 4-bit sc, mc per half-block; fp32 D, M per super-block). */
 static inline int super_scaled(int format) {
-    return format == QUANT_INT4K || format == QUANT_INT5K;
+    return format == QUANT_INT4K || format == QUANT_INT5K || format == QUANT_INT2K;
 }
+
+/* Whether each half-block has its own scale and offset (int2k, int8km): d_lo, d_hi, m_lo, m_hi. */
+static inline int half_offsets(int format) {
+    return format == QUANT_INT2K || format == QUANT_INT8KM;
+}
+
+/* Whether each half-block has its own scale: its integer dots kept apart. */
+static inline int halves_apart(int format) {
+    return format == QUANT_INT6 || format == QUANT_INT8K || half_offsets(format);
+}
+
+/* The sum of a row's quantised activations over half h of block b (QuantRow.c holds -128 times
+ * it). */
+static inline int half_sum(const QuantRow *x, int64_t b, int h) { return x->c[3 * b + h] / -128; }
 
 /* Whether the format's d is one fp16 per column and block (int8h, int5h: the file's). */
 static inline int fp16_scaled(int format) {
@@ -92,7 +112,10 @@ const char *quant_gemm_isa(void) {
  * bit pairs [2][8 columns][4] (bits 2 j, 2 j + 1 of the first: quad j's, of the second: quad j +
  * 4's); int4k sc [8], mc [8] u8, int4's nibbles, each super-block's blocks after its D [8] and M
  * [8] f32 (SUPER_HEAD); int5k int4k's, then int5's fifth bits; int8k d_lo [8], d_hi [8], m [8] f32,
- * u [8 quads][8 columns][4] (quads 0-3: d_lo's). The int8s are held as u = q + 128 (q ^ 0x80):
+ * u [8 quads][8 columns][4] (quads 0-3: d_lo's); int8km int8k's with m_lo [8], m_hi [8]; int2k
+ * the bytes sc | mc << 4 of the first halves [8], then of the second [8], then the 2-bit integers
+ * [2][8 columns][4] (bits 2 j of the first: quad j's, of the second: quad j + 4's), each
+ * super-block's blocks after its D [8] and M [8] (int4k's). The int8s are held as u = q + 128 (q ^ 0x80):
  * vpdpbusd's unsigned operand, against the signed activations, so the correction 128 sum(q_x) is
  * the activations' (one per row and half-block, QuantRow.c) and the weights carry no per-column
  * sums (4 bytes a block less: Gemma 3's Q8_0 head is 20 MiB smaller). */
@@ -105,7 +128,9 @@ static int64_t group_block_bytes(int format) {
     case QUANT_INT5H: return 16 + BLOCK * GROUP / 2 + BLOCK * GROUP / 8;
     case QUANT_INT6: return 64 + BLOCK * GROUP / 2 + BLOCK * GROUP / 4;
     case QUANT_INT8K: return 96 + BLOCK * GROUP;
+    case QUANT_INT8KM: return 128 + BLOCK * GROUP;
     case QUANT_INT8H: return 16 + BLOCK * GROUP;
+    case QUANT_INT2K: return 16 + BLOCK * GROUP / 4;
     default: return 32 + BLOCK * GROUP;
     }
 }
@@ -113,6 +138,7 @@ static int64_t group_block_bytes(int format) {
 /* Where a group block's integers start, after its scales. */
 static int64_t quads_offset(int format) {
     switch (format) {
+    case QUANT_INT2K:
     case QUANT_INT4K:
     case QUANT_INT5K:
     case QUANT_INT5H:
@@ -121,31 +147,37 @@ static int64_t quads_offset(int format) {
     case QUANT_INT5:
     case QUANT_INT6: return 64;
     case QUANT_INT8K: return 96;
+    case QUANT_INT8KM: return 128;
     default: return 32;
     }
 }
 
-/* fp32 scales (and offsets) per column and block: d; d, m; d_lo, d_hi, m (int4k's, int5k's,
- * int8h's and int5h's are not fp32: block_scales). */
+/* fp32 scales (and offsets) per column and block: d; d, m; d_lo, d_hi, m; d_lo, d_hi, m_lo, m_hi
+ * (int2k's, int4k's, int5k's, int8h's and int5h's are not fp32: block_scales). */
 static int scale_count(int format) {
     switch (format) {
     case QUANT_INT4:
     case QUANT_INT5:
     case QUANT_INT6: return 2;
     case QUANT_INT8K: return 3;
+    case QUANT_INT8KM: return 4;
     default: return 1;
     }
 }
 
 static int64_t supers_of(int64_t nb) { return (nb + SUPER - 1) / SUPER; }
 
-/* Bytes of a column record per block, but int4k's and int5k's. */
+/* Bytes of a column record per block (int2k's, int4k's and int5k's past their D and M). */
 static int64_t record_block_bytes(int format) {
     switch (format) {
+    case QUANT_INT2K: return 2 + BLOCK / 4;
+    case QUANT_INT4K: return 2 + BLOCK / 2;
+    case QUANT_INT5K: return 2 + BLOCK / 2 + 4;
     case QUANT_INT4: return 8 + BLOCK / 2;
     case QUANT_INT5: return 8 + BLOCK / 2 + 4;
     case QUANT_INT6: return 8 + BLOCK / 2 + 8;
     case QUANT_INT8K: return 12 + BLOCK;
+    case QUANT_INT8KM: return 16 + BLOCK;
     case QUANT_INT8H: return 2 + BLOCK;
     case QUANT_INT5H: return 2 + BLOCK / 2 + 4;
     default: return 4 + BLOCK;
@@ -158,12 +190,11 @@ static int upper_width(int format) {
     return format == QUANT_INT6 ? 2 : 0;
 }
 
-/* Bytes of a column record (quant_formats.record_bytes) of nb blocks: int4k's and int5k's D and M
- * per super-block, then per block sc, mc, the nibbles and the fifth bits. */
+/* Bytes of a column record (quant_formats.record_bytes) of nb blocks: int2k's, int4k's and
+ * int5k's D and M per super-block, then per block sc, mc (int2k: its halves' bytes) and their
+ * integers. */
 static int64_t record_bytes(int format, int64_t nb) {
-    if (super_scaled(format))
-        return 8 * supers_of(nb) + (2 + BLOCK / 2 + BLOCK * upper_width(format) / 8) * nb;
-    return nb * record_block_bytes(format);
+    return (super_scaled(format) ? 8 * supers_of(nb) : 0) + nb * record_block_bytes(format);
 }
 
 static int64_t groups_of(int64_t n) { return (n + GROUP - 1) / GROUP; }
@@ -190,7 +221,8 @@ int64_t quant_packed_bytes(int format, int64_t n, int64_t k) {
 
 /* Whether the format's integers are int8s (held as q + 128), not int4's nibbles and bits above. */
 static inline int int8_values(int format) {
-    return format == QUANT_INT8 || format == QUANT_INT8H || format == QUANT_INT8K;
+    return format == QUANT_INT8 || format == QUANT_INT8H || format == QUANT_INT8K ||
+           format == QUANT_INT8KM;
 }
 
 /* Element i of a column record's block: int4 nibbles (low: elements 0-15, high: 16-31). */
@@ -211,8 +243,11 @@ static inline int packed_int8(int format, const uint8_t *blk, int c, int quad, i
     return (int8_t)(blk[quads_offset(format) + quad * 32 + c * 4 + lane] ^ 0x80);
 }
 
-/* The integer of column c's element 4 quad + lane in a packed int4 / int5 / int6 group block. */
+/* The integer of column c's element 4 quad + lane in a packed int2k / int4 / int5 / int6 group
+ * block. */
 static inline int packed_value(int format, const uint8_t *blk, int c, int quad, int lane) {
+    if (format == QUANT_INT2K)
+        return (blk[quads_offset(format) + (quad / 4) * 32 + c * 4 + lane] >> 2 * (quad % 4)) & 3;
     const uint8_t byte = blk[quads_offset(format) + (quad % 4) * 32 + c * 4 + lane];
     int q = quad < 4 ? byte & 0x0F : byte >> 4;
     const int width = upper_width(format);
@@ -221,6 +256,12 @@ static inline int packed_value(int format, const uint8_t *blk, int c, int quad, 
               ((1 << width) - 1))
              << 4;
     return q;
+}
+
+/* The integer of column c's element 4 quad + lane in a packed group block of any format. */
+static inline int packed_integer(int format, const uint8_t *blk, int c, int quad, int lane) {
+    return int8_values(format) ? packed_int8(format, blk, c, quad, lane)
+                               : packed_value(format, blk, c, quad, lane);
 }
 
 /* The bits above the nibbles of one column's block, from its record (`bits`, element i's at bit
@@ -263,10 +304,10 @@ static void pack_quads(uint8_t *dst, int c, const int8_t *q) {
 }
 
 /* Block b's scales of a packed group's 8 columns, as the kernel multiplies by them: d [8], then m
- * [8] (int4, int5), d_hi [8] (int6) or d_hi and m (int8k); int4k's and int5k's products D * sc
- * and M * mc (exact: an fp16's value times an integer below 64); int8h's and int5h's fp16s
- * widened, int5h's m = -16 d (exact). */
-static void block_scales(int format, const uint8_t *group, int64_t b, float scales[3 * GROUP]) {
+ * [8] (int4, int5), d_hi [8] (int6), d_hi and m (int8k) or d_hi, m_lo and m_hi (int8km, int2k);
+ * int2k's, int4k's and int5k's products D * sc and M * mc (exact: an fp16's value times an
+ * integer below 64); int8h's and int5h's fp16s widened, int5h's m = -16 d (exact). */
+static void block_scales(int format, const uint8_t *group, int64_t b, float scales[4 * GROUP]) {
     const uint8_t *blk = block_at(format, group, b);
     if (fp16_scaled(format)) {
         for (int c = 0; c < GROUP; c++) {
@@ -275,6 +316,15 @@ static void block_scales(int format, const uint8_t *group, int64_t b, float scal
             scales[c] = f16_to_f32(half);
             if (format == QUANT_INT5H) scales[GROUP + c] = -16.0f * scales[c];
         }
+        return;
+    }
+    if (format == QUANT_INT2K) {
+        const float *head = super_head(format, group, b);
+        for (int c = 0; c < GROUP; c++)
+            for (int h = 0; h < 2; h++) {
+                scales[h * GROUP + c] = head[c] * (float)(blk[h * GROUP + c] & 0x0F);
+                scales[(2 + h) * GROUP + c] = head[GROUP + c] * (float)(blk[h * GROUP + c] >> 4);
+            }
         return;
     }
     if (super_scaled(format)) {
@@ -307,7 +357,7 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
                     float *head = (float *)super_head(format, group, b);
                     memcpy(&head[c], rec + 4 * (b / SUPER), 4);
                     memcpy(&head[GROUP + c], rec + 4 * (ns + b / SUPER), 4);
-                    dst[c] = rec[8 * ns + b];
+                    dst[c] = rec[8 * ns + b]; /* sc (int2k: the first half's byte) */
                     dst[GROUP + c] = rec[8 * ns + nb + b];
                     ints = rec + 8 * ns + 2 * nb;
                 } else if (fp16_scaled(format)) {
@@ -319,7 +369,9 @@ void quant_pack(int format, const uint8_t *records, int64_t n, int64_t k, uint8_
                         scales[f * GROUP + c] = ((const float *)rec)[f * nb + b];
                     ints = rec + nb * 4 * floats;
                 }
-                if (!int8_values(format)) {
+                if (format == QUANT_INT2K) { /* int6's high bit pairs' layout */
+                    pack_upper(dst + quads_offset(format) + c * 4, ints + b * BLOCK / 4, 2);
+                } else if (!int8_values(format)) {
                     const uint8_t *nibbles = ints + b * (BLOCK / 2);
                     for (int j = 0; j < QUADS / 2; j++)
                         for (int t = 0; t < 4; t++)
@@ -360,26 +412,22 @@ int64_t quant_unpack_rows(int format, const uint8_t *packed, int64_t n, int64_t 
         float *row = out + r * k;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *src = block_at(format, group, b);
-            float scales[3 * GROUP];
+            float scales[4 * GROUP];
             block_scales(format, group, b, scales);
             float *x = row + b * BLOCK;
             for (int i = 0; i < BLOCK; i++) {
-                const int quad = i / 4, lane = i % 4;
-                if (!int8_values(format)) {
-                    const int q = packed_value(format, src, c, quad, lane);
-                    if (format == QUANT_INT6)
-                        x[i] = scales[(i < BLOCK / 2 ? 0 : GROUP) + c] * (float)(q - 32);
-                    else
-                        x[i] = scales[c] * (float)q + scales[GROUP + c];
-                } else {
-                    const int q = packed_int8(format, src, c, quad, lane);
-                    if (format == QUANT_INT8K) {
-                        const float d = scales[(i < BLOCK / 2 ? 0 : GROUP) + c];
-                        x[i] = d * (float)q + scales[2 * GROUP + c];
-                    } else {
-                        x[i] = scales[c] * (float)q;
-                    }
-                }
+                const int quad = i / 4, lane = i % 4, half = i / (BLOCK / 2);
+                const int q = packed_integer(format, src, c, quad, lane);
+                if (half_offsets(format))
+                    x[i] = scales[half * GROUP + c] * (float)q + scales[(2 + half) * GROUP + c];
+                else if (format == QUANT_INT8K)
+                    x[i] = scales[half * GROUP + c] * (float)q + scales[2 * GROUP + c];
+                else if (format == QUANT_INT6)
+                    x[i] = scales[half * GROUP + c] * (float)(q - 32);
+                else if (int8_values(format))
+                    x[i] = scales[c] * (float)q;
+                else
+                    x[i] = scales[c] * (float)q + scales[GROUP + c];
             }
         }
     }
@@ -473,6 +521,38 @@ static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+/* d_lo, d_hi, m_lo, m_hi of block b's 8 columns of int8km or int2k (D * sc and M * mc: exact
+ * products, the values int8km's scales would hold). */
+static inline void half_scales(int format, const uint8_t *group, int64_t b, const uint8_t *blk,
+                               __m256 w[4]) {
+    if (format == QUANT_INT8KM) {
+        for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps((const float *)blk + i * GROUP);
+        return;
+    }
+    const float *head = super_head(format, group, b);
+    for (int h = 0; h < 2; h++) {
+        const __m256i bytes =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + h * GROUP)));
+        const __m256i sc = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+        w[h] = _mm256_mul_ps(_mm256_loadu_ps(head), _mm256_cvtepi32_ps(sc));
+        w[2 + h] = _mm256_mul_ps(_mm256_loadu_ps(head + GROUP),
+                                 _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)));
+    }
+}
+
+/* acc + d_x (d_lo dot_lo + d_hi dot_hi + m_lo sum_lo + m_hi sum_hi): one row's block of int8km
+ * or int2k from its halves' integer dots and the activations' halves' sums (all below 2^24:
+ * exact as floats). int2k and int8km take the same steps, so int2k's outputs are its widened
+ * weight's bit for bit. */
+static inline __m256 half_offsets_acc(__m256 acc, const __m256 w[4], __m256i dot_lo,
+                                      __m256i dot_hi, const QuantRow *x, int64_t b) {
+    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_lo), w[0]);
+    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_hi), w[1], t);
+    t = _mm256_fmadd_ps(w[2], _mm256_set1_ps((float)half_sum(x, b, 0)), t);
+    t = _mm256_fmadd_ps(w[3], _mm256_set1_ps((float)half_sum(x, b, 1)), t);
+    return _mm256_fmadd_ps(t, _mm256_set1_ps(x->d[b]), acc);
+}
+
 /* Rows [0, rows) of x times one packed group (its nb blocks from `group`): out [rows][8]. */
 static inline __attribute__((always_inline)) void group_rows(int format, const uint8_t *group,
                                                              int64_t nb, const QuantRow *x,
@@ -489,8 +569,11 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
            cache level (T0): the non-temporal hint streamed 2-3x slower on an Intel Xeon */
         for (int64_t line = 0; line < gb; line += 64)
             __builtin_prefetch(blk + PREFETCH_AHEAD + line, 0, 3);
-        __m256 wd, w2; /* d; m, or d_hi of int6 and int8k */
-        if (super_scaled(format)) {
+        __m256 wd = _mm256_setzero_ps(), w2 = wd; /* d; m, or d_hi of int6 and int8k */
+        __m256 halves[4];                         /* int2k's and int8km's: half_scales */
+        if (half_offsets(format)) {
+            half_scales(format, group, b, blk, halves);
+        } else if (super_scaled(format)) {
             /* D sc and M mc: exact products, the values int4's (int5's) scales would hold */
             const float *head = super_head(format, group, b);
             const __m256 sc = _mm256_cvtepi32_ps(
@@ -516,14 +599,15 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
             const __m256i low = _mm256_set1_epi8(0x0F);
             /* the bits above the nibbles, byte c * 4 + t for column c's element 4 j + t of quad
                j: int5's bit j; int6's bits 2 j, 2 j + 1 in the first vector for quads 0-3, in the
-               second for quads 4-7 */
+               second for quads 4-7; int2k's 2-bit integers the same way, without nibbles */
             __m256i upper[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            if (upper_width(format))
-                upper[0] = _mm256_loadu_si256((const __m256i *)(blk + upper_at(format, 0)));
-            if (format == QUANT_INT6)
-                upper[1] = _mm256_loadu_si256((const __m256i *)(blk + upper_at(format, 4)));
-            /* int6 keeps its halves apart (dots: d_lo's quads 0-3, high: d_hi's 4-7), each
-               starting at -32 sum(q_x) of its half: the integers' offset of 32 */
+            const int pairs_at = format == QUANT_INT2K ? quads_offset(format) : upper_at(format, 0);
+            if (upper_width(format) || format == QUANT_INT2K)
+                upper[0] = _mm256_loadu_si256((const __m256i *)(blk + pairs_at));
+            if (format == QUANT_INT6 || format == QUANT_INT2K)
+                upper[1] = _mm256_loadu_si256((const __m256i *)(blk + pairs_at + 32));
+            /* int6 and int2k keep their halves apart (dots: d_lo's quads 0-3, high: d_hi's 4-7),
+               int6's each starting at -32 sum(q_x) of its half: the integers' offset of 32 */
             __m256i high[ROWS];
 #pragma GCC unroll 4
             for (int r = 0; r < ROWS; r++) high[r] = _mm256_setzero_si256();
@@ -541,10 +625,17 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
 #endif
 #pragma GCC unroll 4
             for (int j = 0; j < QUADS / 2; j++) {
-                const __m256i v =
-                    _mm256_loadu_si256((const __m256i *)(blk + quads_offset(format) + 32 * j));
-                __m256i lo = _mm256_and_si256(v, low);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                __m256i lo, hi;
+                if (format == QUANT_INT2K) {
+                    const __m256i three = _mm256_set1_epi8(3);
+                    lo = _mm256_and_si256(_mm256_srli_epi16(upper[0], 2 * j), three);
+                    hi = _mm256_and_si256(_mm256_srli_epi16(upper[1], 2 * j), three);
+                } else {
+                    const __m256i v =
+                        _mm256_loadu_si256((const __m256i *)(blk + quads_offset(format) + 32 * j));
+                    lo = _mm256_and_si256(v, low);
+                    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
                 if (upper_width(format) == 1) {
                     lo = _mm256_or_si256(lo, upper_bits(upper[0], j, 1));
                     hi = _mm256_or_si256(hi, upper_bits(upper[0], j + QUADS / 2, 1));
@@ -559,23 +650,25 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
                     const __m256i x_hi = _mm256_set1_epi32(quad(xq + 16 + 4 * j));
 #ifdef QUANT_VNNI
                     dots[r] = dot4(dots[r], lo, x_lo);
-                    if (format == QUANT_INT6)
+                    if (halves_apart(format))
                         high[r] = dot4(high[r], hi, x_hi);
                     else
                         dots[r] = dot4(dots[r], hi, x_hi);
 #else
-                    /* pair sums in 16 bits, each at most 2 * 15 * 127 (int4), 2 * 31 * 127
-                       (int5) or 2 * 63 * 127 (int6) in magnitude: int4's 8 of a block add up to
-                       30480 < 2^15, so one vpmaddwd per block widens them instead of one per
-                       pair (half the multiplies); int5's and int6's one per 4 and per 2 */
+                    /* pair sums in 16 bits, each at most 2 * 3 * 128 (int2k), 2 * 15 * 128
+                       (int4), 2 * 31 * 128 (int5) or 2 * 63 * 128 (int6) in magnitude: int4's 8
+                       of a block add up to 30720 < 2^15 (int2k's 4 per half to 3072), so one
+                       vpmaddwd per block widens them instead of one per pair (half the
+                       multiplies); int5's and int6's one per 4 and per 2 */
                     pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, x_lo));
-                    __m256i *hi_pairs = format == QUANT_INT6 ? &pairs_high[r] : &pairs[r];
+                    __m256i *hi_pairs = halves_apart(format) ? &pairs_high[r] : &pairs[r];
                     *hi_pairs = _mm256_add_epi16(*hi_pairs, _mm256_maddubs_epi16(hi, x_hi));
-                    if (format == QUANT_INT4 ? j == QUADS / 2 - 1 : j % 2 == 1) {
+                    const int once = format == QUANT_INT4 || format == QUANT_INT2K;
+                    if (once ? j == QUADS / 2 - 1 : j % 2 == 1) {
                         const __m256i ones = _mm256_set1_epi16(1);
                         dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs[r], ones));
                         pairs[r] = _mm256_setzero_si256();
-                        if (format == QUANT_INT6) {
+                        if (halves_apart(format)) {
                             high[r] = _mm256_add_epi32(high[r],
                                                        _mm256_madd_epi16(pairs_high[r], ones));
                             pairs_high[r] = _mm256_setzero_si256();
@@ -586,7 +679,9 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
             }
 #pragma GCC unroll 4
             for (int r = 0; r < rows; r++) {
-                if (format == QUANT_INT6) {
+                if (format == QUANT_INT2K) {
+                    acc[r] = half_offsets_acc(acc[r], halves, dots[r], high[r], &x[r], b);
+                } else if (format == QUANT_INT6) {
                     /* each half's dot within 16 * 63 * 127 < 2^24: exact as a float */
                     const __m256 low_dot = _mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), wd);
                     const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high[r]), w2, low_dot);
@@ -599,8 +694,9 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
             }
             continue;
         }
-        /* int8, int8h and int8k: their int8 quads in one loop (with the format and j constants,
-           the half's choice folds away); int8k's halves apart (dots: d_lo's, high: d_hi's) */
+        /* int8, int8h, int8k and int8km: their int8 quads in one loop (with the format and j
+           constants, the half's choice folds away); int8k's and int8km's halves apart (dots:
+           d_lo's, high: d_hi's) */
         const uint8_t *quads = blk + quads_offset(format);
         __m256i high[ROWS];
 #pragma GCC unroll 4
@@ -611,7 +707,7 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
 #pragma GCC unroll 4
         for (int r = 0; r < rows; r++) {
             const int32_t *c = x[r].c + 3 * b;
-            if (format == QUANT_INT8K) {
+            if (halves_apart(format)) {
                 dots[r] = _mm256_set1_epi32(c[0]);
                 high[r] = _mm256_set1_epi32(c[1]);
             } else {
@@ -626,7 +722,7 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
                row's vpdpbusd, and 4 loads of it per quad made the loads the bottleneck (int8 20%
                slower at 16 rows) */
             __asm__("" : "+x"(w));
-            const int in_high = format == QUANT_INT8K && j >= QUADS / 2;
+            const int in_high = halves_apart(format) && j >= QUADS / 2;
 #ifdef QUANT_VNNI
             /* (q_w + 128) q_x, on sums that started at -128 sum(q_x): exact in 32 bits */
 #pragma GCC unroll 4
@@ -651,6 +747,12 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
             }
 #endif
         }
+        if (format == QUANT_INT8KM) {
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++)
+                acc[r] = half_offsets_acc(acc[r], halves, dots[r], high[r], &x[r], b);
+            continue;
+        }
         if (format == QUANT_INT8K) {
             /* each half's dot now within 16 * 128 * 127 < 2^24: exact as a float */
             const __m256 wm = _mm256_loadu_ps((const float *)(blk + 64));
@@ -673,43 +775,46 @@ static inline __attribute__((always_inline)) void group_rows(int format, const u
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r], acc[r]);
 }
 #else
+/* The integer dots of column c's halves of a packed block (int6's integers less 32) with a row's
+ * int8s xq: halves [2]. */
+static void half_dots(int format, const uint8_t *blk, int c, const int8_t *xq, int halves[2]) {
+    const int offset = format == QUANT_INT6 ? 32 : 0;
+    halves[0] = halves[1] = 0;
+    for (int i = 0; i < BLOCK; i++)
+        halves[i / (BLOCK / 2)] += (packed_integer(format, blk, c, i / 4, i % 4) - offset) * xq[i];
+}
+
 static void group_rows(int format, const uint8_t *group, int64_t nb, const QuantRow *x,
                        float out[ROWS][GROUP], const int rows) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < GROUP; c++) out[r][c] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = block_at(format, group, b);
-        float wd[3 * GROUP];
+        float wd[4 * GROUP];
         block_scales(format, group, b, wd);
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = x[r].q + b * BLOCK;
             for (int c = 0; c < GROUP; c++) {
                 int dot = 0;
+                if (half_offsets(format)) { /* int2k, int8km: half_offsets_acc's steps */
+                    int halves[2];
+                    half_dots(format, blk, c, xq, halves);
+                    const float t = (float)halves[0] * wd[c] + (float)halves[1] * wd[GROUP + c] +
+                                    wd[2 * GROUP + c] * (float)half_sum(&x[r], b, 0) +
+                                    wd[3 * GROUP + c] * (float)half_sum(&x[r], b, 1);
+                    out[r][c] += t * x[r].d[b];
+                    continue;
+                }
                 if (!int8_values(format) && format != QUANT_INT6) { /* int4, int5 (k, h): d q + m */
                     for (int i = 0; i < BLOCK; i++)
                         dot += packed_value(format, blk, c, i / 4, i % 4) * xq[i];
                     out[r][c] += wd[GROUP + c] * x[r].s[b];
-                } else if (format == QUANT_INT6) {
-                    int high = 0;
-                    for (int i = 0; i < BLOCK; i++) {
-                        const int p = (packed_value(format, blk, c, i / 4, i % 4) - 32) * xq[i];
-                        if (i < BLOCK / 2)
-                            dot += p;
-                        else
-                            high += p;
-                    }
-                    out[r][c] += wd[GROUP + c] * x[r].d[b] * (float)high;
-                } else if (format == QUANT_INT8K) {
-                    int high = 0;
-                    for (int i = 0; i < BLOCK; i++) {
-                        const int p = packed_int8(format, blk, c, i / 4, i % 4) * xq[i];
-                        if (i < BLOCK / 2)
-                            dot += p;
-                        else
-                            high += p;
-                    }
-                    out[r][c] += wd[2 * GROUP + c] * x[r].s[b] +
-                                 wd[GROUP + c] * x[r].d[b] * (float)high;
+                } else if (format == QUANT_INT6 || format == QUANT_INT8K) {
+                    int halves[2];
+                    half_dots(format, blk, c, xq, halves);
+                    dot = halves[0];
+                    const float offset = format == QUANT_INT8K ? wd[2 * GROUP + c] * x[r].s[b] : 0.0f;
+                    out[r][c] += offset + wd[GROUP + c] * x[r].d[b] * (float)halves[1];
                 } else {
                     for (int i = 0; i < BLOCK; i++)
                         dot += packed_int8(format, blk, c, i / 4, i % 4) * xq[i];
@@ -749,6 +854,8 @@ static void group_out(const NarrowLinear *w, int64_t g, const QuantRow *x, int64
     case QUANT_INT5K: format_rows(QUANT_INT5K, group, nb, x + r0, rows, out); break;
     case QUANT_INT5H: format_rows(QUANT_INT5H, group, nb, x + r0, rows, out); break;
     case QUANT_INT8K: format_rows(QUANT_INT8K, group, nb, x + r0, rows, out); break;
+    case QUANT_INT8KM: format_rows(QUANT_INT8KM, group, nb, x + r0, rows, out); break;
+    case QUANT_INT2K: format_rows(QUANT_INT2K, group, nb, x + r0, rows, out); break;
     case QUANT_INT8H: format_rows(QUANT_INT8H, group, nb, x + r0, rows, out); break;
     default: format_rows(QUANT_INT8, group, nb, x + r0, rows, out); break;
     }

@@ -24,6 +24,8 @@ FORMAT_CODES = {
     "int8h": 6,
     "int5k": 7,
     "int5h": 8,
+    "int2k": 9,
+    "int8km": 10,
 }
 
 _typed: set[int] = set()  # libraries (by handle) whose entry points are typed
