@@ -192,10 +192,43 @@ def test_a_gguf_files_own_blocks_are_cached_as_records(tmp_path, monkeypatch: py
     270M 1-2 s of its start) from the cache, weight by weight as each is packed: the same kernel
     layout, the file's blocks counted as its own."""
     monkeypatch.setenv("MODELYARD_CACHE_DIR", str(tmp_path / "cache"))
-    first = _loaded_twice_the_same(EngineConfig(model=str(SMOLLM2_GGUF), num_threads=2))
+    config = EngineConfig(model=str(SMOLLM2_GGUF), num_threads=2)
+    first = _loaded_twice_the_same(config)
     assert (first.native, first.quantized) == (211, 0)
-    cached = narrow_cache.load(next((tmp_path / "cache" / "narrow").glob("*.safetensors")))
+    (path,) = (tmp_path / "cache" / "narrow").glob("*.safetensors")
+    cached = narrow_cache.load(path)
     assert cached is not None and len(cached) > 200
+    # every weight is in the packed file (the embedding reads the tied head's rows): the
+    # records' cache describes them and holds no second copy of the weights
+    assert cached.packed == [tuple(e[:3]) for e in first.mapped.entries]
+    assert all(w is None or w.records.is_meta for w, _ in cached.values())
+    assert path.stat().st_size < 2**20
+    # without that packed file (gone, or another kernel build's) the description is no use:
+    # the weights come from the file's blocks again, into a new packed file
+    _, before = _narrow_report(config)
+    for packed in (tmp_path / "cache" / "packed").glob("*.bin"):
+        packed.unlink()
+    again, after = _narrow_report(config)
+    assert not again.cached and again.mapped.entries == first.mapped.entries
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_table_the_model_reads_itself_keeps_its_records_in_the_cache(
+    tiny_llama_dir, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """An embedding not tied to the lm_head looks its rows up in its own records: those stay in
+    the records' cache, beside the packed weights' descriptions."""
+    monkeypatch.setenv("MODELYARD_CACHE_DIR", str(tmp_path / "cache"))
+    config = EngineConfig(model=str(tiny_llama_dir), quantization="int8", num_threads=2)
+    _loaded_twice_the_same(config)
+    (path,) = (tmp_path / "cache" / "narrow").glob("*.safetensors")
+    cached = narrow_cache.load(path)
+    kept = {name for name, (w, _) in cached.items() if w is not None and not w.records.is_meta}
+    assert kept == {"model.embed_tokens.weight"} and cached.packed is not None
+    loaded = load_model(config)
+    prepare_cpu_fast_path(loaded, config)
+    table = loaded.model.get_input_embeddings()
+    assert isinstance(table, QuantizedEmbedding) and not table.records.is_meta
 
 
 def test_cache_files_nobody_read_for_two_weeks_go_at_the_next_write(tmp_path):

@@ -128,12 +128,19 @@ class PackedSlots:
         self._new: _NewFile | None = None
         self._unwritable = path is None  # no file to write: own buffers
 
+    def maps(self, entries: list[Entry]) -> bool:
+        """Whether the cached file holds exactly ``entries``, in that order."""
+        mapped = self.mapped
+        return mapped is not None and [tuple(e[:3]) for e in mapped.entries] == entries
+
     def pack(self, module: nn.Module, weight: QuantizedWeight) -> torch.Tensor:
         """``weight`` in the kernel's layout for ``module``, which keeps it as ``packed``."""
         entry = (weight.fmt, weight.out_features, weight.in_features)
         index = len(self._built)
         if self._new is None and self.mapped is not None and self.mapped.matches(index, entry):
             packed = self.mapped.view(index)
+        elif weight.records.is_meta:
+            raise ValueError(f"a described {entry} weight that the packed file does not hold")
         else:
             slot = self._slot(entry, quant_gemm.packed_bytes(self._lib, weight))
             packed = quant_gemm.pack(self._lib, weight, slot)

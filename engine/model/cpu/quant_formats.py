@@ -345,8 +345,19 @@ def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
         raise ValueError("only weights of one input width concatenate")
     common = set.intersection(*(set(_holders(w.fmt)) for w in weights))
     fmt = min(common, key=lambda f: (record_bytes(f, first.in_features), f))
+    if any(w.records.is_meta for w in weights):  # described only (narrow_cache): the same
+        rows = sum(w.out_features for w in weights)
+        return described(fmt, rows, first.in_features)
     records = [as_format(w, fmt).records for w in weights]
     return QuantizedWeight(fmt, first.in_features, torch.cat(records))
+
+
+def described(fmt: str, n: int, k: int) -> QuantizedWeight:
+    """A weight [n, k] in ``fmt`` whose records are only described (on the meta device): what a
+    load builds for a weight whose kernel layout it maps from the packed cache."""
+    return QuantizedWeight(
+        fmt, k, torch.empty((n, record_bytes(fmt, k)), dtype=torch.uint8, device="meta")
+    )
 
 
 def quantizable(weight: torch.Tensor) -> bool:

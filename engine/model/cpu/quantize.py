@@ -123,19 +123,38 @@ def quantize_model(
     (engine.model.cpu.packed_cache), written when missing."""
     wait_for_writes()  # an earlier load's cache files, complete before they are read
     cached = narrow_cache.load(cache) if cache else None
-    choose = _Quantizer(mode, native, cached)
     slots = PackedSlots(lib, packed_cache.cache_path(cache, lib) if cache else None)
+    if cached is not None and cached.packed is not None and not slots.maps(cached.packed):
+        cached = None  # described weights, whose packed file is gone or another kernel build's
+    choose = _Quantizer(mode, native, cached)
     try:
         _replace_modules(model, choose, slots, lib)
     except BaseException:
         slots.abandon()  # no half-written packed file left behind
         raise
+    mapped = slots.finish()
     if cache and cached is None:
-        choices = dict(choose.choices)
-        write_behind(lambda: narrow_cache.save(cache, choices))
+        choices, kept = dict(choose.choices), _records_read(model, choose.choices)
+        packed = None if mapped is None else [(e[0], e[1], e[2]) for e in mapped.entries]
+        write_behind(lambda: narrow_cache.save(cache, choices, packed, kept))
     choose.report.cached = cached is not None
-    choose.report.mapped = slots.finish()
+    choose.report.mapped = mapped
     return choose.report
+
+
+def _records_read(model: nn.Module, choices: Mapping[str, Choice]) -> set[str]:
+    """The weights whose records the model reads itself, not from a packed file (an embedding
+    table not tied to a narrow head): a cache must hold their records."""
+    tables = [
+        m.records
+        for m in model.modules()
+        if isinstance(m, QuantizedEmbedding) and m.records is not None
+    ]
+    return {
+        name
+        for name, (weight, _) in choices.items()
+        if weight is not None and any(weight.records is t for t in tables)
+    }
 
 
 def _replace_modules(
