@@ -55,15 +55,17 @@ def collector_paused() -> Iterator[None]:
     """Loading a model creates hundreds of thousands of objects that live as long as the process
     (a vocabulary's strings, the model's modules, tensors): the cyclic collector would walk them
     all again at each of its full passes during the load (0.4 s of a first Gemma start) and at
-    every full pass while serving. It is paused for the block; then one collection, and what
-    survived is frozen out of every later pass, as an engine template does with its imports."""
+    every full pass while serving. It is paused for the block; then one collection of what the
+    block allocated (the youngest generation: nothing was promoted meanwhile; the imports before
+    it are not walked again), and what survived is frozen out of every later pass, as an engine
+    template does with its imports."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         with phase("garbage collection"):
-            gc.collect()
+            gc.collect(0)
             gc.freeze()
         if enabled:
             gc.enable()
