@@ -20,26 +20,33 @@ and runs the faster:
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 SLOWER = 1.25
 PROBE_EVERY = 64
 PROBE_AT_MOST = 256
-# Weight of a new step time in the running average of the count in use, timed every step: a
-# host getting busy shows within a step or two. The other count's time is its last probe's, the
-# only recent one.
-IN_USE_WEIGHT = 0.25
+# A count's step time is the median of its last RECENT steps: a step the event loop, a page fault
+# or an interrupt held up does not turn the choice (one outlier in an average did, and put an
+# idle engine on one thread for 64 steps). The team runs this many steps before one thread is
+# first timed, its first step (cold caches) outvoted.
+RECENT = 5
 
 
 @dataclass
 class _Times:
-    """One size class of decode steps: recent seconds a step by thread count, and when to time
-    the count not in use."""
+    """One size class of decode steps: recent seconds a step by thread count (the count in use
+    timed every step, the other at its last probe), and when to time the count not in use."""
 
-    seconds: dict[int, float] = field(default_factory=dict)
+    recent: dict[int, deque[float]] = field(default_factory=dict)
     team_when_compared: float = 0.0  # the team's step time when one thread was last timed
     since_probe: int = 0  # steps on one thread since the team was last timed
     probe_every: int = PROBE_EVERY
+
+    def seconds(self, threads: int) -> float | None:
+        times = self.recent.get(threads)
+        return statistics.median(times) if times else None
 
 
 class DecodeThreads:
@@ -52,14 +59,15 @@ class DecodeThreads:
 
     def choose(self, rows: int) -> int:
         """The thread count of the next decode step of ``rows`` sequences."""
-        if self.threads <= 1:
-            return self.threads
+        team = self.threads
+        if team <= 1:
+            return team
         times = self._sizes.setdefault(rows.bit_length(), _Times())
-        team, seconds = self.threads, times.seconds
-        if team not in seconds or 1 not in seconds:
-            return team if team not in seconds else 1
-        if seconds[team] <= seconds[1]:
-            return 1 if seconds[team] > SLOWER * times.team_when_compared else team
+        on_team, on_one = times.seconds(team), times.seconds(1)
+        if on_team is None or on_one is None:  # the team for RECENT steps, then one thread once
+            return team if on_team is None or len(times.recent[team]) < RECENT else 1
+        if on_team <= on_one:
+            return 1 if on_team > SLOWER * times.team_when_compared else team
         times.since_probe += 1
         if times.since_probe < times.probe_every:
             return 1
@@ -70,16 +78,23 @@ class DecodeThreads:
     def observe(self, rows: int, threads: int, seconds: float) -> None:
         """A decode step of ``rows`` sequences took ``seconds`` on ``threads`` threads."""
         times = self._sizes.get(rows.bit_length())
-        if times is None or threads not in (self.threads, 1):
+        team = self.threads
+        if times is None or threads not in (team, 1):
             return
-        team, last = self.threads, times.seconds
-        team_was_faster = team in last and 1 in last and last[team] <= last[1]
-        in_use = (threads == team) == team_was_faster
-        if in_use and threads in last:
-            last[threads] += IN_USE_WEIGHT * (seconds - last[threads])
-        else:
-            last[threads] = seconds
-        if threads == 1 and team in last:
-            times.team_when_compared = last[team]
-        if team in last and 1 in last and last[team] <= last[1] and not team_was_faster:
+        team_was_faster = self._team_faster(times)
+        in_use = (threads == team) == (team_was_faster is not False)
+        if in_use:
+            times.recent.setdefault(threads, deque(maxlen=RECENT)).append(seconds)
+        else:  # a probe: the only recent time of that count
+            times.recent[threads] = deque([seconds], maxlen=RECENT)
+        if threads == 1:
+            times.team_when_compared = times.seconds(team) or 0.0
+        if team_was_faster is False and self._team_faster(times):
             times.since_probe, times.probe_every = 0, PROBE_EVERY  # on the team again
+
+    def _team_faster(self, times: _Times) -> bool | None:
+        """Whether the team's recent steps are the faster (None: one count not yet timed)."""
+        on_team, on_one = times.seconds(self.threads), times.seconds(1)
+        if on_team is None or on_one is None:
+            return None
+        return on_team <= on_one
