@@ -1,12 +1,13 @@
 """Narrow weights in their kernels' layout, cached per records' cache file and kernel build, and
 mapped rather than read.
 
-The records (engine.model.cpu.narrow_cache) still have to be packed into the layout the GEMMs
-read: 0.2 s and ~260 MB of private memory per engine of Gemma 3 270M. The first start writes the
-packed buffers into one file; every later start maps it copy-on-write (never written) and hands
-its ranges to the modules: nothing to pack, and every engine of the file reads the same
-page-cache pages, its PSS counting a share, as llama.cpp's processes share a GGUF's pages. A park
-drops the process's pages of the file (it holds the bytes already); a wake faults them back.
+Packing records into the layout the GEMMs read took 0.2 s and ~260 MB of private memory per
+engine of Gemma 3 270M. The first start packs them into one file; every later start maps it
+copy-on-write (never written) and hands its ranges to the modules: nothing to pack, and every
+engine of the file reads the same page-cache pages, its PSS counting a share, as llama.cpp's
+processes share a GGUF's pages (the records' cache then only describes those weights:
+engine.model.cpu.narrow_cache). A park drops the process's pages of the file (it holds the bytes
+already); a wake faults them back.
 
 A file: a page holding ``MAGIC`` and the index's offset and length (8 bytes each,
 little-endian); each buffer at a page-aligned offset; then the index (JSON: one ``[format, n, k,
