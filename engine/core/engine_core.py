@@ -41,6 +41,7 @@ from engine.core.sequence import (
 )
 from engine.errors import EngineBusyError, EngineError, EngineSleepingError, InvalidRequestError
 from engine.model.footprint import MemoryFootprint
+from engine.model.host_memory import trim_heap
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.model.step_profile import BATCH, FORWARD, POSTPROCESS, SAMPLE, SCHEDULE
@@ -88,6 +89,16 @@ class _Request:
 
 class EngineCore:
     """Step-level engine: add_request / step / abort, driven by the server or the offline API."""
+
+    @classmethod
+    def for_serving(cls, config: EngineConfig) -> EngineCore:
+        """The core of an engine process: loaded with the cyclic collector paused and what it
+        built frozen out of later passes (engine.startup.collector_paused), then the heap that
+        collection freed given back to the OS."""
+        with startup.collector_paused():
+            core = cls(config)
+        trim_heap()
+        return core
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

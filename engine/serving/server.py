@@ -50,15 +50,12 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
 
 async def _serve(config: EngineConfig, options: ServerOptions) -> int:
     from engine.core.engine_core import EngineCore  # imports torch: only in the serving process
-    from engine.model.host_memory import trim_heap
 
-    def load() -> EngineCore:
-        with startup.collector_paused():
-            core = EngineCore(config)
-        trim_heap()  # what the collection after the load freed, back to the OS
-        return core
-
-    engine = AsyncEngine(load, options.served_model_names[0], max_queue=config.max_queue)
+    engine = AsyncEngine(
+        lambda: EngineCore.for_serving(config),
+        options.served_model_names[0],
+        max_queue=config.max_queue,
+    )
     settings = ServerSettings(
         options.served_model_names,
         options.max_body_bytes,
