@@ -5,8 +5,9 @@ as a file descriptor, SCM_RIGHTS).
 
 template → gateway: ``ready`` (imports done, it takes forks), ``forked`` (a fork request's
 answer: the engine's pid, or an error), ``exited`` (an engine ended: its raw wait status, which
-only the template, its parent, can read). gateway → template: ``fork``. The gateway closing its
-end asks the template to exit."""
+only the template, its parent, can read). gateway → template: ``fork``, and ``prepare`` (an
+engine it may be asked to fork later: what that engine will need, built while the template is
+idle; no answer). The gateway closing its end asks the template to exit."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ READY = "ready"  # {"pid", "imports_s"}
 FORK = "fork"  # {"id", "argv": the `python -m engine` flags, "cwd"} + the output fd
 FORKED = "forked"  # {"id", "pid"} or {"id", "error"}
 EXITED = "exited"  # {"pid", "status"}: os.waitpid's status
+PREPARE = "prepare"  # {"argv": an engine's `python -m engine` flags, "cwd"}
 
 
 class WireError(RuntimeError):

@@ -6,6 +6,7 @@ then die with it (their parent-death signal)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import select
@@ -14,7 +15,17 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
-from common.template_wire import EXITED, FORK, FORKED, READY, WireError, decode, encode, receive
+from common.template_wire import (
+    EXITED,
+    FORK,
+    FORKED,
+    PREPARE,
+    READY,
+    WireError,
+    decode,
+    encode,
+    receive,
+)
 from common.template_wire import send as send_packet
 from engine.template.child import become_engine
 from engine.template.preload import Preloaded, thread_problem
@@ -35,6 +46,8 @@ class TemplateServer:
         self.preloaded = preloaded
         self.engines: set[int] = set()  # forked, not yet reaped
         self.tokenizers = tokenizers
+        # engines to prepare for (argv, cwd), once no message waits: a fork is never held up
+        self.ahead: collections.deque[tuple[list[str], str | None]] = collections.deque()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -52,7 +65,10 @@ class TemplateServer:
         try:
             self._send(READY, pid=os.getpid(), imports_s=round(self.preloaded.seconds, 3))
             while True:
-                for fd, _ in poller.poll():
+                events = poller.poll(0 if self.ahead else None)
+                if not events:
+                    self._prepare_one()
+                for fd, _ in events:
                     if fd == self._wake_read:
                         self._drain_wakeups()
                         self._reap()
@@ -78,6 +94,13 @@ class TemplateServer:
             return True
         if message["kind"] == FORK:
             self._fork(message, fds)
+        elif message["kind"] == PREPARE:
+            _close(fds)
+            argv, cwd = message.get("argv"), message.get("cwd")
+            if _flags(argv) and (cwd is None or isinstance(cwd, str)):
+                self.ahead.append((argv, cwd))
+            else:
+                say("dropped a prepare message: argv must be a list of strings, cwd a string")
         else:
             _close(fds)
             say(f"dropped a message of unknown kind {message['kind']!r}")
@@ -89,7 +112,7 @@ class TemplateServer:
         problem, tokenizer = None, None
         if len(fds) != 1:
             problem = "a fork request carries the engine's output descriptor"
-        elif not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        elif not _flags(argv):
             problem = "argv must be a list of strings"
         elif cwd is not None and not isinstance(cwd, str):
             problem = "cwd must be a string"
@@ -120,6 +143,15 @@ class TemplateServer:
         if self.tokenizers is not None:
             self.tokenizers.forked(pid, tokenizer)
         self._send(FORKED, id=request, pid=pid)
+
+    def _prepare_one(self) -> None:
+        """Builds the tokenizer of the next engine the gateway may fork (engine.template.
+        tokenizers: while the unused ones stay within their bound)."""
+        argv, cwd = self.ahead.popleft()
+        if self.tokenizers is not None:
+            line = self.tokenizers.prepare_ahead(argv, cwd)
+            if line:
+                say(line)
 
     def _reap(self) -> None:
         while True:
@@ -153,3 +185,7 @@ def say(text: str) -> None:
     """A line of the template's own on its stderr (the gateway relays it); not through logging,
     whose root handlers every forked engine would inherit and then not configure its own."""
     print(f"engine template {os.getpid()}: {text}", file=sys.stderr, flush=True)
+
+
+def _flags(argv: object) -> bool:
+    return isinstance(argv, list) and all(isinstance(a, str) for a in argv)

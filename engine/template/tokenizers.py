@@ -6,7 +6,10 @@ and every engine of the file shares the template's copy (~90 MiB for Gemma's) in
 its own. A tokenizer stays while an engine forked with it lives. Once none does, it stays while
 the unused ones' memory is within UNUSED_BYTES, least recently used dropped first: the next start
 of a model that was stopped (evicted, idle, crashed) finds it too, and the template's memory,
-which the gateway counts against its budget, stays bounded.
+which the gateway counts against its budget, stays bounded. The gateway also names its on-demand
+models' engines to a template once it is ready, whose tokenizers it then builds while idle and
+while the unused ones fit (`prepare_ahead`): a model's first start in the gateway's life finds
+its tokenizer built as well.
 
 A file never converted (its first start converts it, in the engine) and a model folder's
 tokenizer (AutoTokenizer, not a converted tokenizer.json) are left to the engine.
@@ -64,6 +67,20 @@ class TokenizerShelf:
         took = time.monotonic() - began
         return folder, f"tokenizer in {folder} built for its engines: {took:.2f}s, {_mib(nbytes)}"
 
+    def prepare_ahead(self, argv: list[str], cwd: str | None) -> str | None:
+        """Builds the tokenizer of an engine the gateway may start later (an on-demand model's)
+        while the unused ones stay within ``unused_bytes``, so that its first start in the
+        gateway's life finds it built; a line for the template's log, if any."""
+        if self._unused_bytes() >= self.unused_bytes:
+            return None
+        folder, line = self.prepare(argv, cwd)
+        if folder is None or line is None:  # none to build, or built already
+            return line
+        if self._unused_bytes() > self.unused_bytes:  # no room: nothing used more lately goes
+            self._drop(folder)
+            return f"{line}, dropped again: the unused ones would pass {_mib(self.unused_bytes)}"
+        return f"{line}, ahead of its first start"
+
     def forked(self, pid: int, folder: Path | None) -> None:
         if folder is not None and folder in self._shelved:
             self._shelved[folder].engines.add(pid)
@@ -92,13 +109,20 @@ class TokenizerShelf:
         for _, folder in unused:
             if held <= self.unused_bytes:
                 break
-            held -= self._shelved.pop(folder).nbytes
-            forget(folder)
+            held -= self._drop(folder)
             dropped.append(f"tokenizer in {folder} dropped: no engine uses it")
-        if dropped:
-            gc.collect()
-            trim_heap()
         return dropped
+
+    def _drop(self, folder: Path) -> int:
+        """Forgets the tokenizer of ``folder``; what it held."""
+        nbytes = self._shelved.pop(folder).nbytes
+        forget(folder)
+        gc.collect()
+        trim_heap()
+        return nbytes
+
+    def _unused_bytes(self) -> int:
+        return sum(shelved.nbytes for shelved in self._shelved.values() if not shelved.engines)
 
     def held_bytes(self) -> int:
         return sum(shelved.nbytes for shelved in self._shelved.values())

@@ -128,9 +128,14 @@ class EnginePool:
                 if not model.on_demand:
                     self.active.add(model.name)
             self.active &= set(wanted)
+            ahead: dict[bool, list[list[str]]] = {}
+            for model in wanted.values():  # started on their first request: prepared for
+                if model.on_demand:
+                    ahead.setdefault(model.spin_wait, []).append(engine_command(model, 0, ()))
             self.templates.configure(
                 config.gateway.engine_template and self.launcher == ENGINE_LAUNCHER,
                 {m.spin_wait for m in wanted.values()},
+                ahead,
             )
             await asyncio.gather(*(self._converge_locked(m.name) for m in wanted.values()))
 

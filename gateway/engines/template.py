@@ -37,6 +37,7 @@ from common.template_wire import (
     FORK,
     FORKED,
     MAX_MESSAGE_BYTES,
+    PREPARE,
     READY,
     TEMPLATE_MODULE,
     WireError,
@@ -126,6 +127,7 @@ class EngineTemplate:
         self._tasks: list[asyncio.Task[None]] = []
         self._starting: asyncio.Task[None] | None = None
         self._fork_lock = asyncio.Lock()
+        self._prepared: set[tuple[str | None, ...]] = set()  # what it was asked to prepare for
 
     @property
     def policy(self) -> str:
@@ -203,6 +205,19 @@ class EngineTemplate:
                 os.close(write_end)
         engine.stdout = await _reader(read_end)
         return engine
+
+    async def prepare(self, argv: list[str], cwd: str | None) -> None:
+        """Asks it to prepare, when idle, for an engine it may fork later with the flags
+        ``argv``, once (nothing is answered; a template that cannot is left alone)."""
+        key = (cwd, *argv)
+        if self.state is not TemplateState.READY or self._sock is None or key in self._prepared:
+            return
+        self._prepared.add(key)
+        try:
+            async with self._fork_lock:
+                await self._send(encode(PREPARE, argv=argv, cwd=cwd), [])
+        except (OSError, WireError) as error:
+            log.debug("engine template (%s): prepare not sent: %s", self.policy, error)
 
     async def stop(self) -> None:
         """Ends its side of the socket (it exits, and engines still running die with it; one
@@ -353,18 +368,29 @@ class EngineTemplates:
         self.module = module  # what `python -m` runs as the template
         self.enabled = False
         self.wanted: set[bool] = set()  # the wait policies (spin-wait or not) local models use
+        # per wait policy, the engines (their flags) a template prepares for once ready
+        self.ahead: dict[bool, list[list[str]]] = {}
         self._templates: dict[bool, EngineTemplate] = {}
         self._retiring: set[EngineTemplate] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def configure(self, enabled: bool, policies: set[bool]) -> None:
+    def configure(
+        self,
+        enabled: bool,
+        policies: set[bool],
+        ahead: dict[bool, list[list[str]]] | None = None,
+    ) -> None:
         """Templates for ``policies`` start now (when ``enabled``, on Linux: a child's death
         signal, SOCK_SEQPACKET and /proc are Linux's); ones nobody wants any more stop once
-        their engines are gone."""
+        their engines are gone. ``ahead``: per policy, the flags of engines started later (on
+        demand), which its template prepares for while idle (their tokenizers)."""
         self.enabled = enabled and sys.platform.startswith("linux")
         self.wanted = policies if self.enabled else set()
+        self.ahead = ahead or {}
         for spin_wait in self.wanted:
-            self._template(spin_wait)
+            running = self._templates.get(spin_wait)
+            if self._template(spin_wait) is running:  # a new one prepares once ready
+                self._background(self._prepare_ahead(running))
         self._retire_idle()
 
     async def fork(self, argv: list[str], cwd: str | None, spin_wait: bool) -> ForkedEngine | None:
@@ -424,7 +450,13 @@ class EngineTemplates:
         template = EngineTemplate(spin_wait, self.cwd, output, self.module)
         self._templates[spin_wait] = template
         template.start()
+        self._background(self._prepare_ahead(template))
         return template
+
+    async def _prepare_ahead(self, template: EngineTemplate) -> None:
+        if await template.wait_ready(START_TIMEOUT_S):
+            for argv in self.ahead.get(template.spin_wait, []):
+                await template.prepare(argv, self.cwd)
 
     def _retire_idle(self) -> None:
         for spin_wait, template in list(self._templates.items()):

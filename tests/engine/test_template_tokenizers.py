@@ -99,3 +99,20 @@ def test_unused_tokenizers_beyond_the_bound_go_least_recently_used_first(two_fol
     assert shelf.exited(2) == [f"tokenizer in {a} dropped: no engine uses it"]
     assert shelf.held_bytes() == 100 * MIB
     assert kept_tokenizer(b)[1] and not kept_tokenizer(a)[1]
+
+
+def test_an_on_demand_models_tokenizer_is_built_ahead_while_the_unused_ones_fit(two_folders):
+    """Ahead of a first start, a tokenizer is built only while the unused ones fit: one that
+    does not is dropped again, never one an engine used more lately."""
+    a = two_folders["a"]
+    shelf = TokenizerShelf(unused_bytes=150 * MIB)
+    line = shelf.prepare_ahead(["--model", "a"], None)
+    assert line is not None and line.endswith("ahead of its first start")
+    assert shelf.prepare_ahead(["--model", "a"], None) is None  # built already
+    line = shelf.prepare_ahead(["--model", "b"], None)  # 200 MiB unused: b goes again, not a
+    assert line is not None and "dropped again" in line
+    assert kept_tokenizer(a)[1] and shelf.held_bytes() == 100 * MIB
+    shelf.forked(7, shelf.prepare(["--model", "a"], None)[0])  # a in use: 0 unused, room for b
+    assert shelf.prepare_ahead(["--model", "b"], None).endswith("ahead of its first start")
+    full = TokenizerShelf(unused_bytes=0)  # no room at all: nothing is built
+    assert full.prepare_ahead(["--model", "a"], None) is None and full.held_bytes() == 0

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +27,14 @@ import pytest
 from common import processes
 from common.engine_args import SPIN_WAIT_FLAG
 from common.net import free_port
-from common.template_wire import CMDLINE_ROOM_FLAG, SOCKET_FD_FLAG, WireError, decode, encode
+from common.template_wire import (
+    CMDLINE_ROOM_FLAG,
+    PREPARE,
+    SOCKET_FD_FLAG,
+    WireError,
+    decode,
+    encode,
+)
 from engine.template.cmdline import fit
 from gateway.config.schema import EngineLogSettings
 from gateway.engines import template as template_module
@@ -133,6 +141,61 @@ async def test_a_forked_engine_gets_its_output_pipe_session_and_exit_status(ligh
     assert engine.returncode == 2 and has_exited(engine)
     (template,) = templates.describe()
     assert template["state"] == "ready" and template["engines"] == 0
+
+
+@linux_only
+async def test_a_ready_template_is_asked_to_prepare_for_its_policys_on_demand_engines(
+    light_templates, monkeypatch
+):
+    """Each engine once, though the config is applied again."""
+    sent: list[tuple[bytes, list[int]]] = []
+    send = template_module.send
+
+    def record(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+        if decode(data)["kind"] == PREPARE:
+            sent.append((data, fds))
+        send(sock, data, fds)
+
+    monkeypatch.setattr(template_module, "send", record)
+    templates = light_templates()
+    ahead = {False: [["--model", "a.gguf"], ["--model", "b.gguf"]], True: [["--model", "c.gguf"]]}
+    templates.configure(True, {False}, ahead)
+    templates.configure(True, {False}, ahead)
+    await wait_for(lambda: len(sent) >= 2, 60)
+    await asyncio.sleep(0.3)  # nothing more comes
+    asked = [decode(data) for data, _ in sent]
+    assert [(m["argv"], m["cwd"]) for m in asked] == [(a, str(REPO_ROOT)) for a in ahead[False]]
+
+
+def test_a_template_builds_what_it_is_asked_to_prepare_for_only_once_idle(capsys):
+    """A prepare message is queued, not handled on receipt: the template's loop builds it
+    (`_prepare_one`) only when its poll finds no message waiting; a malformed one is dropped."""
+    from engine.template.preload import Preloaded
+    from engine.template.server import TemplateServer
+
+    class Shelf:
+        def __init__(self) -> None:
+            self.calls: list[tuple[list[str], str | None]] = []
+
+        def prepare_ahead(self, argv: list[str], cwd: str | None) -> str:
+            self.calls.append((argv, cwd))
+            return "built"
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    shelf = Shelf()
+    server = TemplateServer(theirs.detach(), Preloaded(), tokenizers=shelf)  # type: ignore[arg-type]
+    try:
+        ours.send(encode(PREPARE, argv=["--model", "m.gguf"], cwd="/models"))
+        ours.send(encode(PREPARE, argv="--model m.gguf", cwd=None))
+        assert server._serve_one() and server._serve_one()
+        assert list(server.ahead) == [(["--model", "m.gguf"], "/models")] and shelf.calls == []
+        server._prepare_one()
+        assert shelf.calls == [(["--model", "m.gguf"], "/models")] and not server.ahead
+        said = capsys.readouterr().err
+        assert "dropped a prepare message" in said and "built" in said
+    finally:
+        ours.close()
+        server.sock.close()
 
 
 @linux_only
