@@ -97,10 +97,11 @@ class TemplateServer:
         elif message["kind"] == PREPARE:
             _close(fds)
             argv, cwd = message.get("argv"), message.get("cwd")
-            if _flags(argv) and (cwd is None or isinstance(cwd, str)):
-                self.ahead.append((argv, cwd))
+            problem = _engine_problem(argv, cwd)
+            if problem:
+                say(f"dropped a prepare message: {problem}")
             else:
-                say("dropped a prepare message: argv must be a list of strings, cwd a string")
+                self.ahead.append((argv, cwd))
         else:
             _close(fds)
             say(f"dropped a message of unknown kind {message['kind']!r}")
@@ -109,14 +110,11 @@ class TemplateServer:
     def _fork(self, message: dict[str, Any], fds: list[int]) -> None:
         request = message.get("id")
         argv, cwd = message.get("argv"), message.get("cwd")
-        problem, tokenizer = None, None
+        tokenizer = None
+        problem = _engine_problem(argv, cwd)
         if len(fds) != 1:
             problem = "a fork request carries the engine's output descriptor"
-        elif not _flags(argv):
-            problem = "argv must be a list of strings"
-        elif cwd is not None and not isinstance(cwd, str):
-            problem = "cwd must be a string"
-        else:
+        elif problem is None:
             if self.tokenizers is not None:
                 tokenizer, line = self.tokenizers.prepare(argv, cwd)
                 if line:
@@ -187,5 +185,10 @@ def say(text: str) -> None:
     print(f"engine template {os.getpid()}: {text}", file=sys.stderr, flush=True)
 
 
-def _flags(argv: object) -> bool:
-    return isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+def _engine_problem(argv: object, cwd: object) -> str | None:
+    """What is wrong with an engine's flags and working directory as a message carries them."""
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        return "argv must be a list of strings"
+    if cwd is not None and not isinstance(cwd, str):
+        return "cwd must be a string"
+    return None

@@ -60,8 +60,7 @@ class TokenizerShelf:
             kept_tokenizer(folder)
         except (OSError, ValueError, KeyError, RuntimeError) as error:
             return None, f"tokenizer in {folder} not built (its engine builds it): {error}"
-        gc.collect()  # what building left for the collector, before the engines fork
-        trim_heap()
+        _give_back()  # what building left for the collector, before the engines fork
         nbytes = max(0, (rss_bytes() or 0) - before)
         self._shelved[folder] = _Shelved(nbytes, last_used=time.monotonic())
         took = time.monotonic() - began
@@ -78,6 +77,7 @@ class TokenizerShelf:
             return line
         if self._unused_bytes() > self.unused_bytes:  # no room: nothing used more lately goes
             self._drop(folder)
+            _give_back()
             return f"{line}, dropped again: the unused ones would pass {_mib(self.unused_bytes)}"
         return f"{line}, ahead of its first start"
 
@@ -111,14 +111,15 @@ class TokenizerShelf:
                 break
             held -= self._drop(folder)
             dropped.append(f"tokenizer in {folder} dropped: no engine uses it")
+        if dropped:
+            _give_back()
         return dropped
 
     def _drop(self, folder: Path) -> int:
-        """Forgets the tokenizer of ``folder``; what it held."""
+        """Forgets the tokenizer of ``folder`` (its memory goes at the next `_give_back`); what
+        it held."""
         nbytes = self._shelved.pop(folder).nbytes
         forget(folder)
-        gc.collect()
-        trim_heap()
         return nbytes
 
     def _unused_bytes(self) -> int:
@@ -143,6 +144,12 @@ def _converted_folder(argv: list[str], cwd: str | None) -> Path | None:
         return known_gguf_dir(folder / name) if name else None
     except (ModelLoadError, OSError):
         return None
+
+
+def _give_back() -> None:
+    """Collect what tokenizers left and return the freed heap to the OS."""
+    gc.collect()
+    trim_heap()
 
 
 def _mib(nbytes: int) -> str:
