@@ -48,6 +48,13 @@ class _Times:
         times = self.recent.get(threads)
         return statistics.median(times) if times else None
 
+    def team_faster(self, team: int) -> bool | None:
+        """Whether the team's recent steps are the faster (None: one count not yet timed)."""
+        on_team, on_one = self.seconds(team), self.seconds(1)
+        if on_team is None or on_one is None:
+            return None
+        return on_team <= on_one
+
 
 class DecodeThreads:
     """The thread count of each decode step of an engine of ``threads`` threads: `choose`
@@ -63,11 +70,11 @@ class DecodeThreads:
         if team <= 1:
             return team
         times = self._sizes.setdefault(rows.bit_length(), _Times())
-        on_team, on_one = times.seconds(team), times.seconds(1)
-        if on_team is None or on_one is None:  # the team for RECENT steps, then one thread once
-            return team if on_team is None or len(times.recent[team]) < RECENT else 1
-        if on_team <= on_one:
-            return 1 if on_team > SLOWER * times.team_when_compared else team
+        faster = times.team_faster(team)
+        if faster is None:  # the team for RECENT steps, then one thread once
+            return team if len(times.recent.get(team, ())) < RECENT else 1
+        if faster:
+            return 1 if times.seconds(team) > SLOWER * times.team_when_compared else team
         times.since_probe += 1
         if times.since_probe < times.probe_every:
             return 1
@@ -81,7 +88,7 @@ class DecodeThreads:
         team = self.threads
         if times is None or threads not in (team, 1):
             return
-        team_was_faster = self._team_faster(times)
+        team_was_faster = times.team_faster(team)
         in_use = (threads == team) == (team_was_faster is not False)
         if in_use:
             times.recent.setdefault(threads, deque(maxlen=RECENT)).append(seconds)
@@ -89,12 +96,5 @@ class DecodeThreads:
             times.recent[threads] = deque([seconds], maxlen=RECENT)
         if threads == 1:
             times.team_when_compared = times.seconds(team) or 0.0
-        if team_was_faster is False and self._team_faster(times):
+        if team_was_faster is False and times.team_faster(team):
             times.since_probe, times.probe_every = 0, PROBE_EVERY  # on the team again
-
-    def _team_faster(self, times: _Times) -> bool | None:
-        """Whether the team's recent steps are the faster (None: one count not yet timed)."""
-        on_team, on_one = times.seconds(self.threads), times.seconds(1)
-        if on_team is None or on_one is None:
-            return None
-        return on_team <= on_one
