@@ -100,11 +100,9 @@ class ModelRunner:
             self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
         # sleep and wake: every object that holds weights is a root of the parker's walk
         narrow = self.cpu.narrow if self.cpu is not None else None
+        self._packed_file = narrow.mapped if narrow is not None else None
         self.parker = WeightParker(
-            [self.model, self.lean, self.cpu],
-            self.device,
-            cache_root() / "park",
-            narrow.mapped if narrow is not None else None,
+            [self.model, self.lean, self.cpu], self.device, cache_root() / "park", self._packed_file
         )
         self.sleeping = False
         self._park_record = ParkRecord()
@@ -304,6 +302,7 @@ class ModelRunner:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         measured = self.activation_bytes is not None
+        packed = self._packed_file
         return MemoryFootprint(
             device=str(device),
             sleeping=self.sleeping,
@@ -312,12 +311,8 @@ class ModelRunner:
             activation_bytes=self.activation_bytes if measured else self._activation_estimate(),
             activation_measured=measured,
             park=self._park_record,
-            mapped_weights=self._mapped_weights(),
+            mapped_weights=None if packed is None else (packed.address, packed.nbytes),
         )
-
-    def _mapped_weights(self) -> tuple[int, int] | None:
-        mapped = self.cpu.narrow.mapped if self.cpu is not None and self.cpu.narrow else None
-        return None if mapped is None else (mapped.address, mapped.nbytes)
 
     def _kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pools in self.kv_caches for t in pools)

@@ -65,6 +65,8 @@ class MappedFile:
         except (ValueError, KeyError, TypeError):
             self._map.close()
             raise
+        # each entry's format and shape, in the load's order
+        self.layout: list[Entry] = [(fmt, n, k) for fmt, n, k, _, _ in self.entries]
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address, self.nbytes = whole.data_ptr(), whole.numel()
         self._views = [whole[offset : offset + size] for *_, offset, size in self.entries]
@@ -74,7 +76,7 @@ class MappedFile:
         return self._views[index]
 
     def matches(self, index: int, entry: Entry) -> bool:
-        return index < len(self.entries) and tuple(self.entries[index][:3]) == entry
+        return index < len(self.layout) and self.layout[index] == entry
 
     def holds(self, address: int) -> bool:
         return self.address <= address < self.address + self.nbytes
@@ -131,8 +133,7 @@ class PackedSlots:
 
     def maps(self, entries: list[Entry]) -> bool:
         """Whether the cached file holds exactly ``entries``, in that order."""
-        mapped = self.mapped
-        return mapped is not None and [tuple(e[:3]) for e in mapped.entries] == entries
+        return self.mapped is not None and self.mapped.layout == entries
 
     def pack(self, module: nn.Module, weight: QuantizedWeight) -> torch.Tensor:
         """``weight`` in the kernel's layout for ``module``, which keeps it as ``packed``."""
@@ -161,7 +162,7 @@ class PackedSlots:
         mapped = self.mapped
         if not self._built or self._unwritable:
             return None
-        if self._new is None and mapped is not None and len(mapped.entries) == len(self._built):
+        if self._new is None and mapped is not None and len(mapped.layout) == len(self._built):
             return mapped
         if self._new is None:  # an entry too many: the file written again without it
             self._start_new_file()

@@ -135,7 +135,7 @@ def quantize_model(
     mapped = slots.finish()
     if cache and cached is None:
         choices, kept = dict(choose.choices), _records_read(model, choose.choices)
-        packed = None if mapped is None else [(e[0], e[1], e[2]) for e in mapped.entries]
+        packed = None if mapped is None else mapped.layout
         write_behind(lambda: narrow_cache.save(cache, choices, packed, kept))
     choose.report.cached = cached is not None
     choose.report.mapped = mapped
